@@ -1,0 +1,231 @@
+"""Typed configuration: dataclasses, presets, and `section.key=value` overrides.
+
+One `Config` holds every knob of a run. Presets fix the few numbers that matter (the `seed` preset is the
+d8/w512 model of the design brief); `--set section.key=value` changes any field and an unknown key or a value
+of the wrong type is an error that lists what is valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    layers: int = 8
+    width: int = 512
+    heads: int = 4
+    mlp_hidden: int = 2048
+    seq_len: int = 2048
+    vocab_size: int = 12_289  # 12,288 BPE tokens + 1 document separator
+    value_embeds: int = 3  # tables mixed into V of the first and last `value_embeds` layers
+    gate_dim: int = 12  # leading channels of the branch input that feed the per-head attention gate
+    logit_cap: float = 15.0
+    rope_base: float = 10_000.0
+    vocab_pad_multiple: int = 64  # the head is padded for speed; FLOPs count the true vocabulary
+
+    @property
+    def head_dim(self) -> int:
+        return self.width // self.heads
+
+    @property
+    def branches(self) -> int:
+        return 2 * self.layers
+
+    @property
+    def padded_vocab(self) -> int:
+        m = self.vocab_pad_multiple
+        return (self.vocab_size + m - 1) // m * m
+
+
+@dataclass
+class DataConfig:
+    # "synthetic" (a deterministic token stream, no files), or a folder prepared by `creditlab data prepare`.
+    source: str = "synthetic"
+    dir: str = "data/prose"
+
+
+@dataclass
+class CreditConfig:
+    source: str = "exact"  # exact | oracle | zero | learned | dfa | dni
+    rank: int = 32  # rank of the terminal-error projection
+    teacher_every: int = 0  # 0: never an exact update (besides `exact`); K: one exact teacher update in K
+    materialized: bool = False  # decode every correction at the tap (to measure what streaming saves)
+    predictor_lr: float = 3e-3
+    feedback_seed: int = 1234  # fixed random feedback of `dfa`
+
+
+@dataclass
+class TrainConfig:
+    micro_batch: int = 64
+    grad_accum: int = 4
+    updates: int = 12
+    seed: int = 42261
+    lr_muon: float = 0.02
+    lr_embed: float = 0.3
+    lr_head: float = 0.008
+    lr_scalar: float = 0.02
+    weight_decay: float = 0.0
+    warmup: int = 0  # updates of linear warmup
+    cooldown_frac: float = 0.4  # final fraction of updates with linear decay to zero
+    loss_chunk: int = 16_384  # tokens per chunk of the fused head loss
+    compile: str = "auto"  # auto (on CUDA) | on | off
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (bf16 autocast on CUDA, float32 on CPU) | float32 | float64 | bf16
+    log_every: int = 1
+    out_dir: str = "runs"
+
+
+@dataclass
+class ScreenConfig:
+    updates: int = 12
+    seed: int = 42261
+    window: int = 6  # verdict from medians of the last `window` updates
+    ratio_gate: float = 0.9066667  # synthetic/native: (1 + 3r)/4 <= 0.93 with one teacher in four
+    peak_gate_mib: float = 23_400.0
+    cap_gpu_s: float = 1_200.0
+    memory_cap_mib: float = 0.0  # > 0: cap this process's GPU memory to emulate a smaller card
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    credit: CreditConfig = field(default_factory=CreditConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    screen: ScreenConfig = field(default_factory=ScreenConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        cfg = cls()
+        for section, values in d.items():
+            for key, value in values.items():
+                _assign(cfg, f"{section}.{key}", value)
+        return cfg
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _seed() -> Config:
+    return Config()
+
+
+def _tiny() -> Config:
+    cfg = Config()
+    cfg.model = ModelConfig(layers=4, width=64, heads=2, mlp_hidden=256, seq_len=64, vocab_size=257,
+                            value_embeds=2, gate_dim=8, vocab_pad_multiple=8)
+    cfg.train = TrainConfig(micro_batch=8, grad_accum=2, updates=60, lr_muon=0.02, lr_embed=0.05,
+                            lr_head=0.01, lr_scalar=0.02, warmup=5, loss_chunk=256, log_every=10)
+    cfg.credit = CreditConfig(rank=8)
+    cfg.screen = ScreenConfig(updates=12)
+    return cfg
+
+
+PRESETS: dict[str, typing.Callable[[], Config]] = {"seed": _seed, "tiny": _tiny}
+
+
+def _fields(obj) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(obj)}
+
+
+def valid_keys() -> list[str]:
+    cfg = Config()
+    return [f"{s}.{k}" for s in _fields(cfg) for k in _fields(getattr(cfg, s))]
+
+
+def _parse(raw, typ, key: str):
+    if not isinstance(raw, str):
+        # Values read back from JSON already carry their type.
+        if typ is float and isinstance(raw, int) and not isinstance(raw, bool):
+            return float(raw)
+        if isinstance(raw, typ) and not (typ is int and isinstance(raw, bool)):
+            return raw
+        raise ConfigError(f"{key}: expected {typ.__name__}, got {raw!r}")
+    try:
+        if typ is bool:
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if typ is int:
+            return int(raw.replace("_", ""))
+        if typ is float:
+            return float(raw.replace("_", ""))
+        return raw
+    except ValueError:
+        raise ConfigError(f"{key}: {raw!r} is not a valid {typ.__name__}") from None
+
+
+def _assign(cfg: Config, key: str, raw) -> None:
+    section, _, name = key.partition(".")
+    sections = _fields(cfg)
+    if section not in sections or not name:
+        raise ConfigError(f"unknown key {key!r}; valid keys: {', '.join(valid_keys())}")
+    sub = getattr(cfg, section)
+    fields = _fields(sub)
+    if name not in fields:
+        raise ConfigError(f"unknown key {key!r}; valid keys in [{section}]: "
+                          f"{', '.join(f'{section}.{k}' for k in fields)}")
+    hints = typing.get_type_hints(type(sub))
+    setattr(sub, name, _parse(raw, hints[name], key))
+
+
+def load(preset: str = "tiny", overrides: typing.Sequence[str] = ()) -> Config:
+    """Build a config from a preset name and `section.key=value` overrides, validating both."""
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+    cfg = PRESETS[preset]()
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        _assign(cfg, key.strip(), value.strip())
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    m = cfg.model
+    problems = []
+    if m.width % m.heads:
+        problems.append(f"model.width ({m.width}) must be divisible by model.heads ({m.heads})")
+    elif m.head_dim % 2:
+        problems.append(f"head dim width/heads = {m.head_dim} must be even for rotary positions")
+    if m.gate_dim > m.width:
+        problems.append(f"model.gate_dim ({m.gate_dim}) exceeds model.width ({m.width})")
+    if 2 * m.value_embeds > m.layers and m.value_embeds > 0:
+        problems.append(f"model.value_embeds ({m.value_embeds}) tables need 2x as many layers (have {m.layers})")
+    for key in ("layers", "width", "heads", "mlp_hidden", "seq_len", "vocab_size"):
+        if getattr(m, key) < 1:
+            problems.append(f"model.{key} must be positive")
+    t = cfg.train
+    for key in ("micro_batch", "grad_accum", "updates", "loss_chunk"):
+        if getattr(t, key) < 1:
+            problems.append(f"train.{key} must be positive")
+    if t.compile not in ("auto", "on", "off"):
+        problems.append(f"train.compile must be auto|on|off, got {t.compile!r}")
+    if t.device not in ("auto", "cpu", "cuda"):
+        problems.append(f"train.device must be auto|cpu|cuda, got {t.device!r}")
+    if t.dtype not in ("auto", "float32", "float64", "bf16"):
+        problems.append(f"train.dtype must be auto|float32|float64|bf16, got {t.dtype!r}")
+    if not 0.0 <= t.cooldown_frac <= 1.0:
+        problems.append("train.cooldown_frac must lie in [0, 1]")
+    c = cfg.credit
+    if c.rank < 1:
+        problems.append("credit.rank must be positive")
+    if c.teacher_every < 0:
+        problems.append("credit.teacher_every must be >= 0")
+    if problems:
+        raise ConfigError("invalid config: " + "; ".join(problems))
