@@ -1,0 +1,140 @@
+"""Side-by-side timing of training arms on one GPU: identical initialization, identical inputs, one process.
+
+    python benchmarks/arms.py --out DIR --arms native,zero [--preset seed] [--updates 12] [--set k=v ...]
+
+An arm is a name from ARMS (a set of config overrides). Each arm starts from the same state-dict bytes and
+reads the same micro-batches; per update it records synchronized wall time, loss and peak memory. Results go
+to DIR/arms.json and DIR/arms.md (last-six medians, ratios against the first arm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import hashlib
+import io
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from creditlab import config as config_mod  # noqa: E402
+from creditlab import runtime as rt  # noqa: E402
+from creditlab.data import SyntheticLoader  # noqa: E402
+from creditlab.train import Trainer, build_model, row_dict  # noqa: E402
+
+ARMS = {
+    "native": ["credit.source=exact"],
+    "zero": ["credit.source=zero"],
+    "learned": ["credit.source=learned", "credit.teacher_every=0"],
+    "learned_materialized": ["credit.source=learned", "credit.teacher_every=0", "credit.materialized=true"],
+    "teacher": ["credit.source=learned", "credit.teacher_every=1"],
+    "dfa": ["credit.source=dfa"],
+    "native_eager": ["credit.source=exact", "train.compile=off"],
+}
+
+
+def state_bytes_sha(model: torch.nn.Module) -> str:
+    buf = io.BytesIO()
+    torch.save({k: v.cpu() for k, v in model.state_dict().items()}, buf)
+    return hashlib.sha256(buf.getvalue()).hexdigest()
+
+
+def run_arm(name: str, base: config_mod.Config, init_state: dict, updates: int) -> dict:
+    cfg = copy.deepcopy(base)
+    for item in ARMS[name]:
+        key, _, value = item.partition("=")
+        config_mod._assign(cfg, key, value)
+    config_mod.validate(cfg)
+    runtime = rt.resolve(cfg.train)
+    model = build_model(cfg, runtime)
+    model.load_state_dict(init_state)
+    init_sha = state_bytes_sha(model)
+    loader = SyntheticLoader(cfg.model.vocab_size, cfg.train.micro_batch, cfg.model.seq_len, cfg.train.seed)
+    trainer = Trainer(cfg, runtime, model=model, loader=loader, peak_tflops=base_peak)
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    rows = trainer.run(updates, progress=False)
+    out = {"arm": name, "overrides": ARMS[name], "init_sha256": init_sha, "rows": [row_dict(r) for r in rows],
+           "wall_s": time.perf_counter() - start, "first_update_s": rows[0].seconds}
+    window = [r for r in rows[-6:]]
+    out["median_last6_s"] = statistics.median(r.seconds for r in window)
+    out["median_last6_tokens_per_s"] = statistics.median(r.tokens_per_s for r in window)
+    out["median_last6_mfu"] = statistics.median(r.mfu for r in window) if window[0].mfu is not None else None
+    out["peak_allocated_mib"] = max(r.peak_allocated_mib for r in rows[1:] or rows)
+    out["peak_reserved_mib"] = max(r.peak_reserved_mib for r in rows[1:] or rows)
+    out["loss_last"] = rows[-1].loss
+    del trainer, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def markdown(results: list[dict], meta: dict) -> str:
+    base = results[0]["median_last6_s"]
+    lines = [f"GPU: {meta['env'].get('gpu')}, torch {meta['env']['torch']}, CUDA {meta['env']['cuda']}, "
+             f"driver {meta['env'].get('driver')}; bf16 matmul rate measured in this run: "
+             f"{meta['matmul_tflops']:.0f} TFLOP/s; {meta['updates']} updates per arm, last-six medians.",
+             "", "| arm | s/update | ratio vs " + results[0]["arm"] + " | tokens/s | MFU | peak alloc MiB | "
+             "peak reserved MiB | first update s | last loss |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        mfu = f"{100 * r['median_last6_mfu']:.1f}%" if r["median_last6_mfu"] is not None else "-"
+        lines.append(f"| {r['arm']} | {r['median_last6_s']:.4f} | {r['median_last6_s'] / base:.4f} | "
+                     f"{r['median_last6_tokens_per_s']:,.0f} | {mfu} | {r['peak_allocated_mib']:,.0f} | "
+                     f"{r['peak_reserved_mib']:,.0f} | {r['first_update_s']:.1f} | {r['loss_last']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    global base_peak
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="output folder")
+    ap.add_argument("--arms", default="native,zero")
+    ap.add_argument("--preset", default="seed")
+    ap.add_argument("--updates", type=int, default=12)
+    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("this benchmark needs a CUDA GPU", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = config_mod.load(args.preset, args.overrides)
+    runtime = rt.resolve(base.train)
+    base_peak = rt.measure_matmul_tflops(runtime)
+    init_state = {k: v.clone() for k, v in build_model(base, runtime).state_dict().items()}
+    meta = {"preset": args.preset, "overrides": args.overrides, "updates": args.updates,
+            "env": rt.environment(runtime), "matmul_tflops": base_peak, "config": base.to_dict()}
+    results = []
+    for name in args.arms.split(","):
+        print(f"== arm {name}", flush=True)
+        try:
+            results.append(run_arm(name, base, init_state, args.updates))
+        except torch.OutOfMemoryError as exc:
+            results.append({"arm": name, "oom": str(exc)[:2000]})
+            print(f"arm {name}: out of memory", flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+        r = results[-1]
+        if "oom" not in r:
+            print(f"arm {name}: {r['median_last6_s']:.4f} s/update, peak {r['peak_allocated_mib']:,.0f} MiB "
+                  f"(reserved {r['peak_reserved_mib']:,.0f}), first update {r['first_update_s']:.1f} s", flush=True)
+        (out / "arms.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2, default=str))
+    ok = [r for r in results if "oom" not in r]
+    if ok:
+        table = markdown(ok, meta)
+        (out / "arms.md").write_text(table)
+        print(table)
+    return 0
+
+
+base_peak = None
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""The one entry point: `creditlab <command>`.
+
+Commands: data, flops, check, admit, screen, train, demo. Every command that builds a model takes
+`--preset NAME` and repeatable `--set section.key=value`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from creditlab import config as config_mod
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="tiny", help=f"one of: {', '.join(config_mod.PRESETS)} (default tiny)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config field; repeatable")
+
+
+def load_config(args) -> config_mod.Config:
+    return config_mod.load(args.preset, args.overrides)
+
+
+def print_config(cfg: config_mod.Config, stream=sys.stderr) -> None:
+    print("resolved config:", file=stream)
+    for section, values in cfg.to_dict().items():
+        print(f"  [{section}] " + ", ".join(f"{k}={v}" for k, v in values.items()), file=stream)
+
+
+# ---- flops -------------------------------------------------------------------------------------------------
+
+def cmd_flops(args) -> int:
+    from creditlab.flops import flop_budget
+
+    cfg = load_config(args)
+    budget = flop_budget(cfg.model, cfg.credit.teacher_every or 4, cfg.screen.cycle_gate)
+    if args.json:
+        print(json.dumps(budget.to_json()))
+    else:
+        print(f"nominal matrix/attention FLOPs per target ({args.preset}"
+              f"{' + overrides' if args.overrides else ''}; Kaplan et al. 2020 convention)")
+        print(budget.derivation())
+    return 0
+
+
+# ---- train -------------------------------------------------------------------------------------------------
+
+def cmd_train(args) -> int:
+    from creditlab import runtime as rt
+    from creditlab.protocol.records import append_jsonl, new_record_dir, write_once
+    from creditlab.train import Trainer, median_last, row_dict
+
+    cfg = load_config(args)
+    runtime = rt.resolve(cfg.train)
+    if runtime.is_main:
+        print_config(cfg)
+    peak = rt.measure_matmul_tflops(runtime)
+    trainer = Trainer(cfg, runtime, peak_tflops=peak)
+    record = None
+    if runtime.is_main and not args.no_record:
+        record = new_record_dir(cfg.train.out_dir, "train")
+        write_once(record / "config.json", cfg.to_dict())
+        write_once(record / "env.json", {**rt.environment(runtime), "matmul_tflops": peak})
+        print(f"record: {record}", file=sys.stderr)
+    rows = trainer.run(progress=not args.no_progress,
+                       on_row=(lambda r: append_jsonl(record / "rows.jsonl", row_dict(r))) if record else None)
+    window = min(6, len(rows))
+    result = {"updates": len(rows), "final_loss": rows[-1].loss, "first_loss": rows[0].loss,
+              f"median_last{window}_s": median_last(rows, window),
+              "peak_allocated_mib": max((r.peak_allocated_mib or 0.0) for r in rows) or None}
+    if record:
+        write_once(record / "result.json", result)
+    if runtime.is_main:
+        print(json.dumps(result) if args.json else
+              f"done: loss {result['first_loss']:.4f} -> {result['final_loss']:.4f} over {len(rows)} updates")
+    return 0
+
+
+# ---- parser ------------------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="creditlab", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("flops", help="print the nominal FLOP derivation per target")
+    _config_args(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_flops)
+
+    p = sub.add_parser("train", help="train with the configured credit source")
+    _config_args(p)
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--no-progress", action="store_true", help="plain step lines instead of a progress bar")
+    p.add_argument("--no-record", action="store_true", help="do not write runs/<id>/")
+    p.set_defaults(func=cmd_train)
+
+    for register in _extensions():
+        register(sub, _config_args)
+    return parser
+
+
+def _extensions():
+    """Commands that live beside the subsystem they drive."""
+    registers = []
+    try:
+        from creditlab.data.cli import add_commands
+        registers.append(lambda sub, _: add_commands(sub))
+    except ImportError:
+        pass
+    return registers
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except config_mod.ConfigError as exc:
+        print(f"creditlab: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

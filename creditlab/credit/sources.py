@@ -1,0 +1,203 @@
+"""Credit sources: where the omitted input-gradient products' replacements come from.
+
+A source is a module with one method, `step()`, that returns the per-micro-batch context the model threads
+through its forward pass (`branch`, `terminal`, `finish`). The model never knows which source it runs.
+
+How a correction reaches the residual gradient without a second backward pass or hooks:
+
+* The omitted product reads `n.detach()`: autograd then never computes `W^T dY` for it, while the weight
+  gradient `dY^T n` and every other use of `n` (gate, norms, residual) stay exact.
+* A correction linear in the terminal error e = dL/dx_L, c_b = M_b(e), enters through its *adjoint*: the
+  forward adds `Z - Z.detach()` (exactly zero) to x_L with `Z = sum_b M_b^T(n_b)`, so the backward, handed
+  e at the tap, computes `dL/dn_b += M_b(e)` itself, branch by branch, when it reaches that branch. No
+  correction exists before its branch's backward runs, and nothing outside autograd holds state: this is
+  the streaming organization, and it compiles.
+* A correction that does not depend on e (recorded, or predicted from the branch's own state) enters
+  through `finish(loss)`, which adds `S - S.detach()` with `S = sum_b <n_b, c_b>`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from creditlab.config import Config
+from creditlab.model import ExactCredit, GPT
+
+
+def zero_valued(t: torch.Tensor) -> torch.Tensor:
+    """Exactly zero in the forward pass; the identity for gradients."""
+    return t - t.detach()
+
+
+class OmitCredit(ExactCredit):
+    """The synthetic backward with nothing injected: the `zero` source, and the base of the others."""
+
+    def __init__(self):
+        self.branch_inputs: list[torch.Tensor] = []
+
+    def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
+        self.branch_inputs.append(n)
+        return n.detach()
+
+    def finish(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+
+class InjectCredit(OmitCredit):
+    """Inject fixed corrections c_b (one tensor per branch, shaped like n_b) into dL/dn_b."""
+
+    def __init__(self, corrections: list[torch.Tensor | None]):
+        super().__init__()
+        self.corrections = corrections
+
+    def finish(self, loss: torch.Tensor) -> torch.Tensor:
+        s = sum((n * c.to(n.dtype)).sum() for n, c in zip(self.branch_inputs, self.corrections) if c is not None)
+        return loss + zero_valued(s) if torch.is_tensor(s) else loss
+
+
+class RecordCredit(ExactCredit):
+    """Exact backprop that records each branch's true correction: the gradient reaching n_b through the
+    omitted product only (not through the gate or anything else that reads n_b)."""
+
+    def __init__(self, branches: int):
+        self.corrections: list[torch.Tensor | None] = [None] * branches
+
+    def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
+        n_omit = n.view_as(n)  # a separate node, so its gradient is the omitted product's alone
+
+        def record(grad):
+            self.corrections[index] = grad.detach()
+
+        n_omit.register_hook(record)
+        return n_omit
+
+
+class CreditSource(nn.Module):
+    """Base: the exact source. Subclasses override `step`."""
+
+    name = "exact"
+    omits = False  # whether the source's steps omit the 16 products
+    fits = False  # whether the source fits a predictor on exact teacher updates
+
+    def step(self) -> ExactCredit:
+        """The context of one synthetic micro-batch."""
+        return ExactCredit()
+
+    def exact_step(self) -> ExactCredit:
+        """The context of one exact micro-batch."""
+        return ExactCredit()
+
+
+class ZeroSource(CreditSource):
+    name, omits = "zero", True
+
+    def step(self) -> OmitCredit:
+        return OmitCredit()
+
+
+class OracleSource(CreditSource):
+    """True corrections, recorded from an exact pass over the same batch (`record`), then injected."""
+
+    name, omits = "oracle", True
+
+    def __init__(self):
+        super().__init__()
+        self.corrections: list[torch.Tensor | None] | None = None
+
+    def record(self, model: GPT, idx: torch.Tensor, targets: torch.Tensor, **kw) -> torch.Tensor:
+        rec = RecordCredit(model.cfg.branches)
+        loss = model(idx, targets, credit=rec, **kw)
+        loss.backward()
+        self.corrections = rec.corrections
+        return loss
+
+    def step(self) -> InjectCredit:
+        if self.corrections is None:
+            raise RuntimeError("the oracle source has no corrections: call record(model, idx, targets) first")
+        return InjectCredit(self.corrections)
+
+
+class AdjointCredit(OmitCredit):
+    """Corrections linear in the terminal error, injected through the adjoint term at the tap."""
+
+    def __init__(self, adjoint):
+        super().__init__()
+        self.adjoint = adjoint  # (branch_inputs, x_L) -> Z, with dL/dn_b += M_b(e) as Z's VJP
+
+    def terminal(self, x: torch.Tensor) -> torch.Tensor:
+        return x + zero_valued(self.adjoint(self.branch_inputs, x))
+
+
+class DFASource(CreditSource):
+    """Direct feedback alignment (Launay et al. 2020 style): c_b = B_b e with fixed seeded random B_b."""
+
+    name, omits = "dfa", True
+
+    def __init__(self, width: int, branches: int, seed: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.register_buffer("feedback", torch.randn(branches, width, width, generator=g) * width ** -0.5)
+
+    def _adjoint(self, branch_inputs, x):
+        # Z = sum_b n_b B_b^T has VJP e -> e B_b for n_b: c_b = B_b^T e in row form; B is random, so either.
+        return sum(n @ self.feedback[b].to(n.dtype).t() for b, n in enumerate(branch_inputs))
+
+    def step(self) -> AdjointCredit:
+        return AdjointCredit(self._adjoint)
+
+
+class DNISource(CreditSource):
+    """Decoupled neural interfaces, rank-limited: c_b = D_b (sigma(G_b n_b) * U_b n_b), from the branch's own
+    state only (no terminal error). Decoders start at zero; fitting happens on teacher updates."""
+
+    name, omits = "dni", True
+
+    def __init__(self, width: int, branches: int, rank: int):
+        super().__init__()
+        self.gates = nn.Parameter(torch.randn(branches, 2 * rank, width) * width ** -0.5)
+        self.codes = nn.Parameter(torch.randn(branches, 2 * rank, width) * width ** -0.5)
+        self.decoders = nn.Parameter(torch.zeros(branches, width, 2 * rank))
+
+    def code(self, b: int, n: torch.Tensor) -> torch.Tensor:  # (B, T, 2r)
+        return torch.sigmoid(n @ self.gates[b].to(n.dtype).t()) * (n @ self.codes[b].to(n.dtype).t())
+
+    def predict(self, b: int, n: torch.Tensor) -> torch.Tensor:
+        return self.code(b, n) @ self.decoders[b].to(n.dtype).t()
+
+    def step(self) -> "DNICredit":
+        return DNICredit(self)
+
+
+class DNICredit(OmitCredit):
+    def __init__(self, source: DNISource):
+        super().__init__()
+        self.source = source
+
+    def finish(self, loss: torch.Tensor) -> torch.Tensor:
+        # <n_b D_b, code_b> has gradient code_b D_b^T = c_b for n_b, decoded only when backward reaches b.
+        s = sum(((n @ self.source.decoders[b].detach().to(n.dtype)) * self.source.code(b, n.detach()).detach()).sum()
+                for b, n in enumerate(self.branch_inputs))
+        return loss + zero_valued(s)
+
+
+SOURCES = ("exact", "oracle", "zero", "learned", "dfa", "dni")
+
+
+def make_source(cfg: Config) -> CreditSource:
+    """One registry line per source."""
+    name, m, c = cfg.credit.source, cfg.model, cfg.credit
+    if name == "exact":
+        return CreditSource()
+    if name == "zero":
+        return ZeroSource()
+    if name == "oracle":
+        return OracleSource()
+    if name == "dfa":
+        return DFASource(m.width, m.branches, c.feedback_seed)
+    if name == "dni":
+        return DNISource(m.width, m.branches, c.rank)
+    if name == "learned":
+        from creditlab.credit.predictor import LearnedSource
+        return LearnedSource(m, c)
+    raise ValueError(f"unknown credit source {name!r}; choose one of: {', '.join(SOURCES)}")

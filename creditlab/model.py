@@ -1,0 +1,175 @@
+"""The GPT: a causal decoder in the style of the 2025 modded-nanogpt records, scaled to d8/w512.
+
+Read it top to bottom. Each block has two *branches*, attention and MLP; each reads `n = norm(x)` from the
+residual stream. The products the synthetic backward omits are the ones that read `credit.branch(b, n)`:
+the Q/K/V projection of attention and the expansion of the MLP. Everything else in a branch (the attention
+gate, the value embeddings, the output projections) reads `n` itself and stays exact. The residual stream
+entering the final norm passes `credit.terminal(x)`: the tap where the terminal error appears in backward;
+`credit.finish(loss)` may add exactly-zero terms that carry injected corrections (credit/sources.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from creditlab.config import ModelConfig
+from creditlab.loss import head_loss
+
+
+def norm(x: torch.Tensor) -> torch.Tensor:
+    return F.rms_norm(x, (x.size(-1),))
+
+
+class ExactCredit:
+    """Native backprop: nothing omitted, nothing injected. Credit sources subclass this (credit/sources.py)."""
+
+    def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
+        return n
+
+    def terminal(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def finish(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+
+EXACT = ExactCredit()
+
+
+class Rotary(nn.Module):
+    def __init__(self, head_dim: int, seq_len: int, base: float):
+        super().__init__()
+        freqs = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), freqs)  # (T, hd/2)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, H, hd)
+        T = x.size(1)
+        cos, sin = self.cos[None, :T, None, :].to(x.dtype), self.sin[None, :T, None, :].to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, has_value_embed: bool):
+        super().__init__()
+        d, self.heads, self.head_dim = cfg.width, cfg.heads, cfg.head_dim
+        self.qkv = nn.Linear(d, 3 * d, bias=False)  # the omitted input product: W_q^T dQ + W_k^T dK + W_v^T dV
+        self.proj = nn.Linear(d, d, bias=False)
+        self.gate = nn.Linear(cfg.gate_dim, cfg.heads, bias=False)  # per-head sigmoid gate from the branch input
+        self.gate_dim = cfg.gate_dim
+        # v <- a*v + b*ve: how much of this layer's value embedding to mix in.
+        self.value_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if has_value_embed else None
+        self.rotary = Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_base)
+
+    def forward(self, n: torch.Tensor, n_omit: torch.Tensor, ve: torch.Tensor | None) -> torch.Tensor:
+        B, T, d = n.shape
+        q, k, v = F.linear(n_omit, self.qkv.weight).view(B, T, 3, self.heads, self.head_dim).unbind(2)
+        q, k = self.rotary(norm(q)), self.rotary(norm(k))  # QK-norm, then rotary positions
+        if ve is not None:
+            v = self.value_mix[0] * v + self.value_mix[1] * ve.view_as(v)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True, scale=0.12)
+        y = y.transpose(1, 2)  # (B, T, H, hd)
+        y = y * torch.sigmoid(self.gate(n[..., :self.gate_dim]))[..., None]
+        return self.proj(y.reshape(B, T, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.width, cfg.mlp_hidden, bias=False)  # the omitted input product: W_fc^T dH
+        self.proj = nn.Linear(cfg.mlp_hidden, cfg.width, bias=False)
+
+    def forward(self, n_omit: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.relu(self.fc(n_omit)).square())  # ReLU^2
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, has_value_embed: bool):
+        super().__init__()
+        self.index = index
+        self.attn = Attention(cfg, has_value_embed)
+        self.mlp = MLP(cfg)
+        self.resid_mix = nn.Parameter(torch.tensor([1.0, 0.0]))  # x <- a*x + b*x0
+
+    def forward(self, x, x0, ve, credit: ExactCredit):
+        x = self.resid_mix[0] * x + self.resid_mix[1] * x0
+        n = norm(x)
+        x = x + self.attn(n, credit.branch(2 * self.index, n), ve)
+        n = norm(x)
+        x = x + self.mlp(credit.branch(2 * self.index + 1, n))
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        L, k = cfg.layers, cfg.value_embeds
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.width)
+        self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, cfg.width) for _ in range(k))
+        # Table i feeds layer i and layer L-k+i: the first and last k layers.
+        self.value_embed_of_layer = [i if i < k else (i - (L - k) if i >= L - k else None) for i in range(L)]
+        self.blocks = nn.ModuleList(
+            Block(cfg, i, self.value_embed_of_layer[i] is not None) for i in range(L))
+        # U-net skips: the outputs of the first half feed the second half, weighted.
+        self.skip_weights = nn.Parameter(torch.ones(L // 2))
+        self.head = nn.Linear(cfg.width, cfg.padded_vocab, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight)
+            elif isinstance(module, nn.Linear):
+                bound = 3 ** 0.5 * module.in_features ** -0.5
+                nn.init.uniform_(module.weight, -bound, bound)
+        for block in self.blocks:  # zero-initialized output projections and head, as in modded-nanogpt
+            block.attn.proj.weight.zero_()
+            block.mlp.proj.weight.zero_()
+        self.head.weight.zero_()
+
+    def branch_names(self) -> list[str]:
+        return [f"layer{i}.{kind}" for i in range(self.cfg.layers) for kind in ("attn", "mlp")]
+
+    def branch_modules(self) -> list[nn.Linear]:
+        """The linear maps whose input products the synthetic backward omits, in branch order."""
+        return [lin for blk in self.blocks for lin in (blk.attn.qkv, blk.mlp.fc)]
+
+    def trunk_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(name, p) for name, p in self.named_parameters() if not name.startswith("head.")]
+
+    def hidden(self, idx: torch.Tensor, credit: ExactCredit = EXACT) -> torch.Tensor:
+        """The residual stream x_L entering the final norm, (B, T, d), after the terminal tap."""
+        x = x0 = norm(self.embed(idx))
+        ves = [table(idx) for table in self.value_embeds]
+        skips = []
+        L = self.cfg.layers
+        for i, block in enumerate(self.blocks):
+            if i >= L - L // 2 and skips:
+                x = x + self.skip_weights[i - (L - L // 2)] * skips.pop()
+            slot = self.value_embed_of_layer[i]
+            x = block(x, x0, ves[slot] if slot is not None else None, credit)
+            if i < L // 2:
+                skips.append(x)
+        return credit.terminal(x)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor, credit: ExactCredit = EXACT,
+                loss_chunk: int = 16_384) -> torch.Tensor:
+        """Mean next-token loss of idx: (B, T) against targets: (B, T)."""
+        h = norm(self.hidden(idx, credit)).flatten(0, 1)
+        if h.is_cuda and torch.is_autocast_enabled("cuda"):
+            h = h.to(torch.get_autocast_dtype("cuda"))  # the head matmuls run in the autocast dtype
+        loss = head_loss(h, self.head.weight, targets.flatten(), self.cfg.vocab_size, self.cfg.logit_cap,
+                         loss_chunk)
+        return credit.finish(loss)
+
+    def logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """Soft-capped logits over the true vocabulary (B, T, V): for evaluation and tests, not training."""
+        z = self.head(norm(self.hidden(idx)))[..., :self.cfg.vocab_size].float()
+        return self.cfg.logit_cap * torch.tanh(z / self.cfg.logit_cap)

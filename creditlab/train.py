@@ -1,0 +1,149 @@
+"""Training: one forward+backward step per micro-batch, the update, and the loop.
+
+`Trainer.forward_backward` is the one place a forward and a backward pass happen; which credit path runs
+inside it is the credit source's business (credit/). An update is `grad_accum` micro-batches then one
+optimizer step; each update yields a row of synchronized wall time, loss and peak memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from creditlab import runtime as rt
+from creditlab.config import Config
+from creditlab.credit import make_source
+from creditlab import data
+from creditlab.flops import flop_budget
+from creditlab.model import GPT
+from creditlab.optim import Optimizers
+
+
+@dataclass
+class UpdateRow:
+    update: int
+    kind: str  # native | synthetic | teacher
+    loss: float
+    seconds: float
+    tokens: int
+    tokens_per_s: float
+    lr_scale: float
+    peak_allocated_mib: float | None
+    peak_reserved_mib: float | None
+    mfu: float | None
+
+    def line(self, total: int) -> str:
+        parts = [f"update {self.update + 1:>4}/{total}", self.kind, f"loss {self.loss:.4f}",
+                 f"lr x{self.lr_scale:.2f}", f"{self.seconds:.3f} s", f"{self.tokens_per_s:,.0f} tok/s"]
+        if self.mfu is not None:
+            parts.append(f"MFU {100 * self.mfu:.1f}%")
+        if self.peak_allocated_mib is not None:
+            parts.append(f"peak {self.peak_allocated_mib:,.0f} MiB")
+        return " | ".join(parts)
+
+
+def build_model(cfg: Config, runtime: rt.Runtime, seed: int | None = None) -> GPT:
+    torch.manual_seed(cfg.train.seed if seed is None else seed)
+    return GPT(cfg.model).to(device=runtime.device, dtype=runtime.param_dtype)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, runtime: rt.Runtime | None = None, model: GPT | None = None, loader=None,
+                 peak_tflops: float | None = None):
+        self.cfg = cfg
+        self.runtime = runtime or rt.resolve(cfg.train)
+        self.model = model if model is not None else build_model(cfg, self.runtime)
+        self.source = make_source(cfg).to(self.runtime.device)
+        self.optimizers = Optimizers(self.model, cfg.train)
+        self.loader = loader if loader is not None else data.make_loader(
+            cfg, "train", self.runtime.rank, self.runtime.world_size)
+        self.ddp = DDP(self.model, device_ids=[self.runtime.local_rank] if self.runtime.is_cuda else None) \
+            if self.runtime.world_size > 1 else None
+        self._forward = rt.maybe_compile(self.ddp or self.model, self.runtime)
+        self.flops_per_token = flop_budget(cfg.model, max(cfg.credit.teacher_every, 2)).total_per_token
+        self.peak_tflops = peak_tflops
+        self.update_index = 0
+
+    def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = self.loader.next()
+        if self.runtime.is_cuda:
+            batch = batch.pin_memory().to(self.runtime.device, non_blocking=True)
+        return batch[:, :-1], batch[:, 1:]
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, credit, scale: float) -> torch.Tensor:
+        """Forward and backward of one micro-batch; gradients accumulate into .grad. Returns the loss."""
+        with self.runtime.autocast():
+            loss = self._forward(inputs, targets, credit=credit, loss_chunk=self.cfg.train.loss_chunk)
+        (loss * scale).backward()
+        return loss.detach()
+
+    def update_kind(self, update: int) -> str:
+        if not self.source.omits:
+            return "native"
+        k = self.cfg.credit.teacher_every
+        return "teacher" if self.source.fits and k and update % k == 0 else "synthetic"
+
+    def train_update(self) -> UpdateRow:
+        cfg, runtime = self.cfg.train, self.runtime
+        update, kind = self.update_index, self.update_kind(self.update_index)
+        rt.reset_peak_memory(runtime)
+        losses = []
+        with rt.Timer(runtime) as timer:
+            for micro in range(cfg.grad_accum):
+                inputs, targets = self._batch()
+                sync = self.ddp is None or micro == cfg.grad_accum - 1
+                with self.ddp.no_sync() if not sync else contextlib.nullcontext():
+                    if kind == "teacher":
+                        losses.append(self.source.teach(self, inputs, targets, 1.0 / cfg.grad_accum))
+                    else:
+                        credit = self.source.step() if kind == "synthetic" else self.source.exact_step()
+                        losses.append(self.forward_backward(inputs, targets, credit, 1.0 / cfg.grad_accum))
+            lr_scale = self.optimizers.step(update)
+            self.optimizers.zero_grad()
+            loss = torch.stack(losses).mean().item()
+        tokens = cfg.grad_accum * cfg.micro_batch * self.cfg.model.seq_len * runtime.world_size
+        alloc, reserved = rt.peak_memory_mib(runtime)
+        tps = tokens / timer.seconds
+        mfu = None if self.peak_tflops is None else \
+            tps * self.flops_per_token / (self.peak_tflops * 1e12 * runtime.world_size)
+        self.update_index += 1
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at update {update + 1}; lower the learning rates "
+                                     f"(--set train.lr_muon=..., train.lr_embed=...)")
+        return UpdateRow(update, kind, loss, timer.seconds, tokens, tps, lr_scale, alloc, reserved, mfu)
+
+    def run(self, updates: int | None = None, progress: bool = True, on_row=None) -> list[UpdateRow]:
+        from tqdm import tqdm
+
+        total = updates if updates is not None else self.cfg.train.updates
+        rows = []
+        bar = tqdm(range(total), desc="train", unit="update", disable=not (progress and self.runtime.is_main),
+                   dynamic_ncols=True)
+        for _ in bar:
+            row = self.train_update()
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
+            bar.set_postfix(loss=f"{row.loss:.3f}", s=f"{row.seconds:.3f}")
+            if self.runtime.is_main and (row.update % self.cfg.train.log_every == 0 or row.update == total - 1):
+                bar.write(row.line(total)) if progress else print(row.line(total), flush=True)
+        return rows
+
+
+def median_last(rows: list[UpdateRow], window: int, field: str = "seconds") -> float:
+    values = [getattr(r, field) for r in rows[-window:]]
+    return statistics.median(values)
+
+
+def row_dict(row: UpdateRow) -> dict:
+    return asdict(row)
+
+
+def timestamp() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
