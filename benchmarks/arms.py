@@ -37,6 +37,8 @@ ARMS = {
     "teacher": ["credit.source=learned", "credit.teacher_every=1"],
     "dfa": ["credit.source=dfa"],
     "native_eager": ["credit.source=exact", "train.compile=off"],
+    "native_cudnn": ["credit.source=exact", "train.sdpa=cudnn"],
+    "zero_cudnn": ["credit.source=zero", "train.sdpa=cudnn"],
 }
 
 
@@ -46,7 +48,18 @@ def state_bytes_sha(model: torch.nn.Module) -> str:
     return hashlib.sha256(buf.getvalue()).hexdigest()
 
 
-def run_arm(name: str, base: config_mod.Config, init_state: dict, updates: int) -> dict:
+def profile(trainer: Trainer, path: Path, updates: int = 2) -> None:
+    """Kernel-level CUDA time of a few more updates, largest first."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(updates):
+            trainer.train_update()
+    path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90))
+
+
+def run_arm(name: str, base: config_mod.Config, init_state: dict, updates: int,
+            profile_to: Path | None = None) -> dict:
     cfg = copy.deepcopy(base)
     for item in ARMS[name]:
         key, _, value = item.partition("=")
@@ -70,6 +83,8 @@ def run_arm(name: str, base: config_mod.Config, init_state: dict, updates: int) 
     out["peak_allocated_mib"] = max(r.peak_allocated_mib for r in rows[1:] or rows)
     out["peak_reserved_mib"] = max(r.peak_reserved_mib for r in rows[1:] or rows)
     out["loss_last"] = rows[-1].loss
+    if profile_to is not None:
+        profile(trainer, profile_to)
     del trainer, model
     gc.collect()
     torch.cuda.empty_cache()
@@ -99,6 +114,7 @@ def main() -> int:
     ap.add_argument("--preset", default="seed")
     ap.add_argument("--updates", type=int, default=12)
     ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument("--profile", default="", help="comma-separated arms to profile after their timed updates")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("this benchmark needs a CUDA GPU", file=sys.stderr)
@@ -115,7 +131,8 @@ def main() -> int:
     for name in args.arms.split(","):
         print(f"== arm {name}", flush=True)
         try:
-            results.append(run_arm(name, base, init_state, args.updates))
+            prof = out / f"profile_{name}.txt" if name in args.profile.split(",") else None
+            results.append(run_arm(name, base, init_state, args.updates, prof))
         except torch.OutOfMemoryError as exc:
             results.append({"arm": name, "oom": str(exc)[:2000]})
             print(f"arm {name}: out of memory", flush=True)

@@ -73,6 +73,7 @@ class TrainConfig:
     cooldown_frac: float = 0.4  # final fraction of updates with linear decay to zero
     loss_chunk: int = 16_384  # tokens per chunk of the fused head loss
     compile: str = "auto"  # auto (on CUDA) | on | off
+    sdpa: str = "auto"  # attention kernel: auto | flash | cudnn | efficient | math
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 autocast on CUDA, float32 on CPU) | float32 | float64 | bf16
     log_every: int = 1
@@ -217,6 +218,8 @@ def validate(cfg: Config) -> None:
             problems.append(f"train.{key} must be positive")
     if t.compile not in ("auto", "on", "off"):
         problems.append(f"train.compile must be auto|on|off, got {t.compile!r}")
+    if t.sdpa not in ("auto", "flash", "cudnn", "efficient", "math"):
+        problems.append(f"train.sdpa must be auto|flash|cudnn|efficient|math, got {t.sdpa!r}")
     if t.device not in ("auto", "cpu", "cuda"):
         problems.append(f"train.device must be auto|cpu|cuda, got {t.device!r}")
     if t.dtype not in ("auto", "float32", "float64", "bf16"):

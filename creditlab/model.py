@@ -19,7 +19,9 @@ from creditlab.loss import head_loss
 
 
 def norm(x: torch.Tensor) -> torch.Tensor:
-    return F.rms_norm(x, (x.size(-1),))
+    """RMSNorm without weights, computed in float32 and returned in x's dtype (autocast would keep float32)."""
+    x32 = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+    return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
 
 
 class ExactCredit:
@@ -146,8 +148,11 @@ class GPT(nn.Module):
 
     def hidden(self, idx: torch.Tensor, credit: ExactCredit = EXACT) -> torch.Tensor:
         """The residual stream x_L entering the final norm, (B, T, d), after the terminal tap."""
-        x = x0 = norm(self.embed(idx))
-        ves = [table(idx) for table in self.value_embeds]
+        # Under autocast the residual stream is carried in the autocast dtype, as modded-nanogpt does in bf16:
+        # it halves what the backward keeps and what every pointwise op moves.
+        dtype = torch.get_autocast_dtype("cuda") if idx.is_cuda and torch.is_autocast_enabled("cuda") else None
+        x = x0 = norm(self.embed(idx).to(dtype))
+        ves = [table(idx).to(dtype) for table in self.value_embeds]
         skips = []
         L = self.cfg.layers
         for i, block in enumerate(self.blocks):
@@ -163,8 +168,6 @@ class GPT(nn.Module):
                 loss_chunk: int = 16_384) -> torch.Tensor:
         """Mean next-token loss of idx: (B, T) against targets: (B, T)."""
         h = norm(self.hidden(idx, credit)).flatten(0, 1)
-        if h.is_cuda and torch.is_autocast_enabled("cuda"):
-            h = h.to(torch.get_autocast_dtype("cuda"))  # the head matmuls run in the autocast dtype
         loss = head_loss(h, self.head.weight, targets.flatten(), self.cfg.vocab_size, self.cfg.logit_cap,
                          loss_chunk)
         return credit.finish(loss)

@@ -22,6 +22,7 @@ class Runtime:
     param_dtype: torch.dtype  # dtype the parameters are stored in
     autocast_dtype: torch.dtype | None  # matmul dtype under autocast, or None for none
     compile: bool
+    sdpa: str = "auto"
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
@@ -35,9 +36,16 @@ class Runtime:
         return self.rank == 0
 
     def autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        """The precision and attention-kernel context of a forward pass."""
+        stack = contextlib.ExitStack()
+        if self.autocast_dtype is not None:
+            stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast_dtype))
+        if self.sdpa != "auto":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                       "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[self.sdpa]
+            stack.enter_context(sdpa_kernel(backend))
+        return stack
 
     def synchronize(self) -> None:
         if self.is_cuda:
@@ -64,7 +72,7 @@ def resolve(cfg: TrainConfig) -> Runtime:
     param_dtype = torch.float64 if dtype == "float64" else torch.float32
     autocast_dtype = torch.bfloat16 if dtype == "bf16" else None
     compile_ = cfg.compile == "on" or (cfg.compile == "auto" and use_cuda)
-    return Runtime(device, param_dtype, autocast_dtype, compile_, rank, world_size, local_rank)
+    return Runtime(device, param_dtype, autocast_dtype, compile_, cfg.sdpa, rank, world_size, local_rank)
 
 
 def maybe_compile(fn, runtime: Runtime):

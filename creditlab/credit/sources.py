@@ -33,27 +33,29 @@ def zero_valued(t: torch.Tensor) -> torch.Tensor:
 class OmitCredit(ExactCredit):
     """The synthetic backward with nothing injected: the `zero` source, and the base of the others."""
 
-    def __init__(self):
-        self.branch_inputs: list[torch.Tensor] = []
-
     def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
-        self.branch_inputs.append(n)
         return n.detach()
-
-    def finish(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss
 
 
 class InjectCredit(OmitCredit):
-    """Inject fixed corrections c_b (one tensor per branch, shaped like n_b) into dL/dn_b."""
+    """Inject corrections that do not depend on the terminal error: dL/dn_b += c_b.
 
-    def __init__(self, corrections: list[torch.Tensor | None]):
-        super().__init__()
-        self.corrections = corrections
+    `correction_term(b, n)` returns a scalar whose gradient with respect to n is c_b. The terms are summed as
+    the forward goes, so the context holds one scalar, never a list of branch inputs (which under
+    torch.compile would become graph outputs, kept alive until the step ends)."""
+
+    def __init__(self, correction_term):
+        self.correction_term = correction_term
+        self.total = None
+
+    def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
+        term = self.correction_term(index, n)
+        if term is not None:
+            self.total = term if self.total is None else self.total + term
+        return n.detach()
 
     def finish(self, loss: torch.Tensor) -> torch.Tensor:
-        s = sum((n * c.to(n.dtype)).sum() for n, c in zip(self.branch_inputs, self.corrections) if c is not None)
-        return loss + zero_valued(s) if torch.is_tensor(s) else loss
+        return loss if self.total is None else loss + zero_valued(self.total).to(loss.dtype)
 
 
 class RecordCredit(ExactCredit):
@@ -115,18 +117,32 @@ class OracleSource(CreditSource):
     def step(self) -> InjectCredit:
         if self.corrections is None:
             raise RuntimeError("the oracle source has no corrections: call record(model, idx, targets) first")
-        return InjectCredit(self.corrections)
+        corrections = self.corrections
+
+        def term(b, n):  # <n_b, c_b> has gradient c_b
+            return None if corrections[b] is None else (n * corrections[b].to(n.dtype)).sum()
+
+        return InjectCredit(term)
 
 
 class AdjointCredit(OmitCredit):
-    """Corrections linear in the terminal error, injected through the adjoint term at the tap."""
+    """Corrections linear in the terminal error, c_b = M_b(e), injected through the adjoint term at the tap.
 
-    def __init__(self, adjoint):
-        super().__init__()
-        self.adjoint = adjoint  # (branch_inputs, x_L) -> Z, with dL/dn_b += M_b(e) as Z's VJP
+    `branch_term(b, n)` returns this branch's share of the adjoint (any shape the source likes, summed over
+    branches as the forward goes); `adjoint(total, x)` turns the sum into Z, shaped like x, whose VJP with e
+    gives M_b(e) for every n_b."""
+
+    def __init__(self, branch_term, adjoint):
+        self.branch_term, self.adjoint = branch_term, adjoint
+        self.total = None
+
+    def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
+        term = self.branch_term(index, n)
+        self.total = term if self.total is None else self.total + term
+        return n.detach()
 
     def terminal(self, x: torch.Tensor) -> torch.Tensor:
-        return x + zero_valued(self.adjoint(self.branch_inputs, x))
+        return x + zero_valued(self.adjoint(self.total, x)).to(x.dtype)
 
 
 class DFASource(CreditSource):
@@ -139,12 +155,12 @@ class DFASource(CreditSource):
         g = torch.Generator().manual_seed(seed)
         self.register_buffer("feedback", torch.randn(branches, width, width, generator=g) * width ** -0.5)
 
-    def _adjoint(self, branch_inputs, x):
-        # Z = sum_b n_b B_b^T has VJP e -> e B_b for n_b: c_b = B_b^T e in row form; B is random, so either.
-        return sum(n @ self.feedback[b].to(n.dtype).t() for b, n in enumerate(branch_inputs))
+    def _term(self, b: int, n: torch.Tensor) -> torch.Tensor:
+        # Z = sum_b n_b B_b^T has VJP e -> e B_b for n_b, i.e. c_b = B_b^T e (B_b is random: either way).
+        return n @ self.feedback[b].to(n.dtype).t()
 
     def step(self) -> AdjointCredit:
-        return AdjointCredit(self._adjoint)
+        return AdjointCredit(self._term, lambda total, x: total)
 
 
 class DNISource(CreditSource):
@@ -165,20 +181,13 @@ class DNISource(CreditSource):
     def predict(self, b: int, n: torch.Tensor) -> torch.Tensor:
         return self.code(b, n) @ self.decoders[b].to(n.dtype).t()
 
-    def step(self) -> "DNICredit":
-        return DNICredit(self)
+    def _term(self, b: int, n: torch.Tensor) -> torch.Tensor:
+        # <n_b D_b, code_b> has gradient code_b D_b^T = c_b for n_b; decoded only when backward reaches b.
+        code = self.code(b, n.detach()).detach()
+        return ((n @ self.decoders[b].detach().to(n.dtype)) * code).sum()
 
-
-class DNICredit(OmitCredit):
-    def __init__(self, source: DNISource):
-        super().__init__()
-        self.source = source
-
-    def finish(self, loss: torch.Tensor) -> torch.Tensor:
-        # <n_b D_b, code_b> has gradient code_b D_b^T = c_b for n_b, decoded only when backward reaches b.
-        s = sum(((n @ self.source.decoders[b].detach().to(n.dtype)) * self.source.code(b, n.detach()).detach()).sum()
-                for b, n in enumerate(self.branch_inputs))
-        return loss + zero_valued(s)
+    def step(self) -> InjectCredit:
+        return InjectCredit(self._term)
 
 
 SOURCES = ("exact", "oracle", "zero", "learned", "dfa", "dni")
