@@ -69,7 +69,7 @@ class ShardLoader:
 
     def batch_at(self, position: int) -> torch.Tensor:
         B, T = self.micro_batch, self.seq_len
-        first = (position * self.world_size) * B  # global index of this rank's first window
+        first = (position * self.world_size + self.rank) * B  # global index of this rank's first window
         rows = []
         for g in range(first, first + B):
             order, shift = self._epoch(g // self.windows_per_epoch)
