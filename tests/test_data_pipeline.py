@@ -322,12 +322,17 @@ def test_make_loader_synthetic_keeps_the_synthetic_stream() -> None:
 
 
 def test_make_loader_shards_checks_the_vocabulary(prepared) -> None:
-    cfg = config_mod.load("tiny", [f"data.source=shards", f"data.dir={prepared}", f"model.seq_len={SEQ}"])
-    assert cfg.model.vocab_size == 257
+    cfg = config_mod.load("tiny", ["data.source=shards", f"data.dir={prepared}", f"model.seq_len={SEQ}",
+                                   "model.vocab_size=320"])
     with pytest.raises(VocabMismatchError) as err:
         make_loader(cfg)
     message = str(err.value)
-    assert "--set model.vocab_size=300" in message and "--vocab-size 257" in message and str(prepared) in message
+    assert "model.vocab_size is 320" in message and "prepared with a bpe tokenizer of 300 ids" in message
+    assert "--set model.vocab_size=300" in message
+    assert f"--out {prepared}-v320 --vocab-size 320" in message and f"--set data.dir={prepared}-v320" in message
+    cfg.model.vocab_size = 257  # the tiny preset's: too small for a byte-level BPE, so only one fix is offered
+    with pytest.raises(VocabMismatchError, match=r"--set model\.vocab_size=300.*at least 258 ids"):
+        make_loader(cfg)
     cfg.model.vocab_size = VOCAB
     loader = make_loader(cfg, "train", rank=1, world_size=2)
     assert isinstance(loader, ShardLoader) and loader.next().shape == (cfg.train.micro_batch, SEQ + 1)

@@ -46,11 +46,20 @@ def make_loader(cfg, split: str = "train", rank: int = 0, world_size: int = 1, *
     manifest = load_manifest(cfg.data.dir)
     tok = manifest["tokenizer"]
     if tok["vocab_size"] != m.vocab_size:
-        fix_prepare = (f"creditlab data prepare --source {manifest['source']} --out {cfg.data.dir} "
-                       f"--tokenizer bpe --vocab-size {m.vocab_size} --force")
-        raise VocabMismatchError(
-            f"model.vocab_size is {m.vocab_size} but the data in {cfg.data.dir} was prepared with a {tok['kind']} "
-            f"tokenizer of {tok['vocab_size']} ids ({tok['vocab_size'] - 1} tokens + separator). Either run with "
-            f"`--set model.vocab_size={tok['vocab_size']}`, or prepare data for this vocabulary: `{fix_prepare}`")
+        raise VocabMismatchError(_vocab_mismatch(cfg, manifest))
     return ShardLoader(cfg.data.dir, split, t.micro_batch, m.seq_len, t.seed, rank, world_size, position,
                        purpose=purpose, admission=admission, allow_final_heldout=allow_final_heldout)
+
+
+def _vocab_mismatch(cfg, manifest: dict) -> str:
+    """The mismatch, and the two ways to fix it: change the model, or prepare data for the model."""
+    tok, want, data_dir = manifest["tokenizer"], cfg.model.vocab_size, cfg.data.dir
+    message = (f"model.vocab_size is {want} but the data in {data_dir} was prepared with a {tok['kind']} tokenizer "
+               f"of {tok['vocab_size']} ids ({tok['vocab_size'] - 1} tokens + separator). Either run with "
+               f"`--set model.vocab_size={tok['vocab_size']}`")
+    flags = "--tokenizer gpt2" if want == 50_257 else f"--vocab-size {want}" if want >= 258 else None
+    if flags is None:
+        return message + f" (a byte-level BPE needs at least 258 ids, so no data can be prepared for {want})"
+    other = f"{data_dir.rstrip('/')}-v{want}"
+    return (message + f", or prepare data for this vocabulary: `creditlab data prepare --source {manifest['source']} "
+            f"--out {other} {flags}` and run with `--set data.dir={other}`")

@@ -231,6 +231,8 @@ def prepare(source: str = DEFAULT_SOURCE, out_dir: str | Path = DEFAULT_OUT, voc
         w.close()
     (staging / DOCUMENTS).write_text("".join(doc_lines))
     tok_record = tok.save(staging)
+    tok_record["origin"] = (tokenizers.GPT2_ORIGIN if tok.kind == "gpt2"
+                            else f"byte-level BPE trained on the TRAIN documents of {source}")
 
     manifest = {
         "format": FORMAT,
@@ -252,6 +254,9 @@ def prepare(source: str = DEFAULT_SOURCE, out_dir: str | Path = DEFAULT_OUT, voc
     }
     _install(staging, out, manifest)
     total = sum(s["tokens"] for s in manifest["splits"].values())
+    # Whole documents of very different lengths: the token shares can differ a lot from the document fractions.
+    shares = ", ".join(f"{name} {s['tokens'] / max(total, 1):.1%}" for name, s in manifest["splits"].items())
+    log(f"token shares: {shares} (split fractions {'/'.join(f'{f:g}' for f in fractions)} apply to documents)")
     log(f"prepared {out}: {total:,} tokens in {time.time() - start:.1f} s, tokenizer {tok.kind} "
         f"vocab {tok.vocab_size} sha256 {tok.sha256[:16]}")
     return info(out)

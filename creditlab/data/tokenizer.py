@@ -24,6 +24,7 @@ WHISPER = Artifact("openai-whisper==20250625", "openai_whisper-20250625.tar.gz",
                    "37a91a3921809d9f44748ffc73c0a55c9f366c85a3ef5c2ae0cc09540432eb96")
 GPT2_MEMBER = "openai_whisper-20250625/whisper/assets/gpt2.tiktoken"
 GPT2_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+GPT2_ORIGIN = f"r50k_base merges: whisper/assets/gpt2.tiktoken of {WHISPER.requirement} (MIT licence)"
 # GPT-2's pre-tokenization regex (as in tiktoken's r50k_base).
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
