@@ -74,6 +74,7 @@ class TrainConfig:
     loss_chunk: int = 16_384  # tokens per chunk of the fused head loss
     compile: str = "auto"  # auto (on CUDA) | on | off
     sdpa: str = "auto"  # attention kernel: auto | flash | cudnn | efficient | math
+    activation_budget: float = 1.0  # < 1: ask the compiler to recompute activations to fit this fraction
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 autocast on CUDA, float32 on CPU) | float32 | float64 | bf16
     log_every: int = 1
