@@ -87,6 +87,7 @@ def test_splits_are_disjoint_deterministic_and_hold_exactly_their_documents(prep
         decoded = tok.decode(stream(prepared, s).tolist())
         assert decoded == "".join("<|endoftext|>" + texts[i] for i in by_split[s])
         assert m["splits"][s]["tokens"] == sum(d["tokens"] for d in docs if d["split"] == s)
+        assert m["splits"][s]["bytes"] == sum(len(texts[i].encode()) for i in by_split[s])
     assert len(m["splits"]["train"]["files"]) > 1
     assert verify(prepared) == []
 
@@ -336,6 +337,8 @@ def test_make_loader_shards_checks_the_vocabulary(prepared) -> None:
     cfg.model.vocab_size = VOCAB
     loader = make_loader(cfg, "train", rank=1, world_size=2)
     assert isinstance(loader, ShardLoader) and loader.next().shape == (cfg.train.micro_batch, SEQ + 1)
+    with pytest.raises(LedgerError, match="needs a purpose"):
+        make_loader(cfg, "dev")
     make_loader(cfg, "dev", purpose="dev loss")
     assert [e["purpose"] for e in entries(prepared)] == ["dev loss"]
 

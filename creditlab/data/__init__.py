@@ -28,11 +28,11 @@ class VocabMismatchError(ValueError):
 
 
 def make_loader(cfg, split: str = "train", rank: int = 0, world_size: int = 1, *, position: int = 0,
-                purpose: str = "train", admission: str | None = None, allow_final_heldout: bool = False):
+                purpose: str | None = None, admission: str | None = None, allow_final_heldout: bool = False):
     """The loader a run of `cfg` reads `split` from: SyntheticLoader or ShardLoader, with one interface.
 
     For shards, the prepared tokenizer's vocab_size must equal cfg.model.vocab_size. DEV/FINAL_HELDOUT reads
-    of shards are written to the access ledger with `purpose` and `admission`.
+    of shards need a `purpose` and are written to the access ledger with it and `admission`.
     """
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; splits: {', '.join(SPLITS)}")

@@ -53,7 +53,7 @@ def entries(data_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def read_split(data_dir: str | Path, split: str, purpose: str, admission: str | None = None,
+def read_split(data_dir: str | Path, split: str, purpose: str | None, admission: str | None = None,
                allow_final_heldout: bool = False, rank: int = 0, world_size: int = 1) -> list[np.ndarray]:
     """The shards (read-only uint16 arrays) of `split`; DEV and FINAL_HELDOUT reads are written to the ledger.
 
@@ -64,7 +64,8 @@ def read_split(data_dir: str | Path, split: str, purpose: str, admission: str | 
     if split not in GUARDED:
         return split_tokens(data_dir, split)  # TRAIN needs no ledger
     if not purpose or not purpose.strip():
-        raise LedgerError(f"a {split} read needs a purpose, recorded in the ledger")
+        raise LedgerError(f"a {split} read needs a purpose, recorded in the ledger "
+                          "(e.g. purpose='dev loss every 100 updates')")
     if split == "final_heldout" and not allow_final_heldout:
         raise LedgerError("FINAL_HELDOUT is read only with an explicit allow_final_heldout=True "
                           "(at most once per admission)")

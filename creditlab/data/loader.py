@@ -20,7 +20,7 @@ from creditlab.data.prepare import manifest_sha256
 
 class ShardLoader:
     def __init__(self, data_dir: str | Path, split: str, micro_batch: int, seq_len: int, seed: int = 0,
-                 rank: int = 0, world_size: int = 1, position: int = 0, *, purpose: str = "train",
+                 rank: int = 0, world_size: int = 1, position: int = 0, *, purpose: str | None = None,
                  admission: str | None = None, allow_final_heldout: bool = False):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")

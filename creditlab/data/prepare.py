@@ -3,7 +3,7 @@
 Layout of a prepared folder:
     manifest.json            what was asked, what was made: per-file SHA256 and counts, tokenizer, licences
     tokenizer.json | gpt2.tiktoken
-    documents.jsonl          one line per document: id, split, tokens (the audit trail of the split)
+    documents.jsonl          one line per document: id, split, tokens, bytes (the audit trail of the split)
     {split}_{index:06d}.bin  token shards; every document is preceded by the separator (as in modded-nanogpt)
     ledger.jsonl             appended by DEV/FINAL_HELDOUT reads (see ledger.py); never written here
 
@@ -104,11 +104,13 @@ class _SplitWriter:
         self.pending_len = 0
         self.files: list[dict] = []
         self.documents = 0
+        self.bytes = 0  # UTF-8 bytes of the documents' text: the denominator of bits per byte
 
-    def add(self, ids: list[int]) -> None:
+    def add(self, ids: list[int], n_bytes: int) -> None:
         self.pending.append(np.asarray([self.separator] + ids, dtype=np.uint16))
         self.pending_len += len(ids) + 1
         self.documents += 1
+        self.bytes += n_bytes
         while self.pending_len >= self.shard_tokens:
             stream = np.concatenate(self.pending)
             self._flush(stream[:self.shard_tokens])
@@ -225,8 +227,10 @@ def prepare(source: str = DEFAULT_SOURCE, out_dir: str | Path = DEFAULT_OUT, voc
     scanned = _scan(iter(src.documents()), fractions, dropped)
     for batch in _batches(_progress(scanned, src.count, "encoding", progress), 256):
         for (doc, split), ids in zip(batch, tok.encode_batch([d.text for d, _ in batch])):
-            writers[split].add(ids)
-            doc_lines.append(json.dumps({"id": doc.id, "split": split, "tokens": len(ids) + 1}) + "\n")
+            n_bytes = len(doc.text.encode("utf-8"))
+            writers[split].add(ids, n_bytes)
+            line = {"id": doc.id, "split": split, "tokens": len(ids) + 1, "bytes": n_bytes}
+            doc_lines.append(json.dumps(line) + "\n")
     for w in writers.values():
         w.close()
     (staging / DOCUMENTS).write_text("".join(doc_lines))
@@ -245,7 +249,8 @@ def prepare(source: str = DEFAULT_SOURCE, out_dir: str | Path = DEFAULT_OUT, voc
         "split_rule": "sha256(document group or id), first 8 bytes as a fraction of 2^64, cut at the "
                       "cumulative fractions train/dev/final_heldout",
         "document_layout": "each document is preceded by the separator token",
-        "splits": {s: {"tokens": sum(f["tokens"] for f in w.files), "documents": w.documents, "files": w.files}
+        "splits": {s: {"tokens": sum(f["tokens"] for f in w.files), "documents": w.documents, "bytes": w.bytes,
+                       "files": w.files}
                    for s, w in writers.items()},
         "documents_sha256": file_sha256(staging / DOCUMENTS),
         "dropped_documents": dropped,
