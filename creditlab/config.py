@@ -126,8 +126,8 @@ def _seed() -> Config:
 
 def _tiny() -> Config:
     cfg = Config()
-    cfg.model = ModelConfig(layers=4, width=64, heads=2, mlp_hidden=256, seq_len=64, vocab_size=257,
-                            value_embeds=2, gate_dim=8, vocab_pad_multiple=8)
+    cfg.model = ModelConfig(layers=4, width=64, heads=2, mlp_hidden=256, seq_len=64, vocab_size=12_289,
+                            value_embeds=2, gate_dim=8)
     cfg.train = TrainConfig(micro_batch=8, grad_accum=2, updates=60, lr_muon=0.02, lr_embed=0.05,
                             lr_head=0.01, lr_scalar=0.02, warmup=5, loss_chunk=256, log_every=10)
     cfg.credit = CreditConfig(rank=8)
