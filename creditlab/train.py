@@ -37,6 +37,7 @@ class UpdateRow:
     peak_allocated_mib: float | None
     peak_reserved_mib: float | None
     mfu: float | None
+    fit: dict | None = None  # on teacher updates: the predictor's fit to the true corrections
 
     def line(self, total: int) -> str:
         parts = [f"update {self.update + 1:>4}/{total}", self.kind, f"loss {self.loss:.4f}",
@@ -45,6 +46,8 @@ class UpdateRow:
             parts.append(f"MFU {100 * self.mfu:.1f}%")
         if self.peak_allocated_mib is not None:
             parts.append(f"peak {self.peak_allocated_mib:,.0f} MiB")
+        if self.fit is not None:
+            parts.append(f"fit err {self.fit['fit_error']:.3f} cos {self.fit['fit_cosine']:.3f}")
         return " | ".join(parts)
 
 
@@ -104,6 +107,7 @@ class Trainer:
                     else:
                         credit = self.source.step() if kind == "synthetic" else self.source.exact_step()
                         losses.append(self.forward_backward(inputs, targets, credit, 1.0 / cfg.grad_accum))
+            fit = self.source.end_update(kind)
             lr_scale = self.optimizers.step(update)
             self.optimizers.zero_grad()
             loss = torch.stack(losses).mean().item()
@@ -116,7 +120,7 @@ class Trainer:
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at update {update + 1}; lower the learning rates "
                                      f"(--set train.lr_muon=..., train.lr_embed=...)")
-        return UpdateRow(update, kind, loss, timer.seconds, tokens, tps, lr_scale, alloc, reserved, mfu)
+        return UpdateRow(update, kind, loss, timer.seconds, tokens, tps, lr_scale, alloc, reserved, mfu, fit)
 
     def run(self, updates: int | None = None, progress: bool = True, on_row=None) -> list[UpdateRow]:
         from tqdm import tqdm

@@ -90,6 +90,10 @@ class CreditSource(nn.Module):
         """The context of one exact micro-batch."""
         return ExactCredit()
 
+    def end_update(self, kind: str) -> dict | None:
+        """Called after each update's micro-batches; a fitting source applies its fit and reports it."""
+        return None
+
 
 class ZeroSource(CreditSource):
     name, omits = "zero", True

@@ -1,0 +1,170 @@
+"""The learned credit source: corrections predicted from the terminal error, linear in it.
+
+Given forward states, the predictor maps the terminal error e (B, T, d) to one correction per branch:
+
+    p_t     = P e_t                                          rank-r projection            (B, T, r)
+    m_t     = sum_{s>=t} a_s p_s / sum_{s>=t} a_s            content-gated reverse mean   (B, T, r)
+    g_{b,t} = sigmoid(G_b n_{b,t})                           local state gate, forward    (B, T, 2r)
+    c_{b,t} = D_b (g_{b,t} * [p_t ; m_t])                    decoder, zero-initialized    (B, T, d)
+
+with a_s = sigmoid(w . norm(x_L)_s + beta) a forward state at the tap. Credit at position t only comes from
+positions s >= t (the reverse mean), and c is linear in e because every gate is a forward state.
+
+Streaming (the default) never builds the 16 corrections at the tap: it injects through the adjoint
+(credit/sources.py), so each c_b is decoded by autograd when the backward reaches branch b, and freed after
+its norm VJP consumed it. `materialized=True` decodes all 16 at the tap instead, to measure what that costs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from creditlab.config import CreditConfig, ModelConfig
+from creditlab.credit.sources import AdjointCredit, CreditSource, OmitCredit, RecordCredit, zero_valued
+from creditlab.model import ExactCredit, norm
+
+
+def reverse_cumsum(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    return x.flip(dim).cumsum(dim).flip(dim)
+
+
+class Predictor(nn.Module):
+    """The parameters and the maps of the predictor; shared by every organization of the credit path."""
+
+    def __init__(self, model: ModelConfig, rank: int):
+        super().__init__()
+        d, branches, self.rank = model.width, model.branches, rank
+        self.projection = nn.Parameter(torch.randn(rank, d) * d ** -0.5)  # P
+        self.mean_gate = nn.Parameter(torch.randn(d) * d ** -0.5)  # w
+        self.mean_bias = nn.Parameter(torch.zeros(()))  # beta
+        self.state_gates = nn.Parameter(torch.randn(branches, 2 * rank, d) * d ** -0.5)  # G_b
+        self.decoders = nn.Parameter(torch.zeros(branches, d, 2 * rank))  # D_b
+
+    # ---- forward states ---------------------------------------------------------------------------------
+    def gate(self, b: int, n: torch.Tensor) -> torch.Tensor:  # (B, T, 2r)
+        return torch.sigmoid(n @ self.state_gates[b].to(n.dtype).t())
+
+    def mean_weights(self, x_terminal: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """a_s (B, T, 1) and its reverse cumulative sum A_t, in float32 or better."""
+        h = norm(x_terminal)
+        acc = torch.promote_types(h.dtype, torch.float32)
+        a = torch.sigmoid(h.to(acc) @ self.mean_gate.to(acc) + self.mean_bias.to(acc))[..., None]
+        return a, reverse_cumsum(a)
+
+    # ---- the map e -> corrections ------------------------------------------------------------------------
+    def code(self, e: torch.Tensor, a: torch.Tensor, a_rev: torch.Tensor) -> torch.Tensor:
+        """[p ; m] (B, T, 2r): the part of every correction shared by all branches."""
+        p = e.to(a.dtype) @ self.projection.to(a.dtype).t()
+        m = reverse_cumsum(a * p) / a_rev
+        return torch.cat([p, m], dim=-1)
+
+    def decode(self, b: int, code: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return (gate * code.to(gate.dtype)) @ self.decoders[b].to(gate.dtype).t()
+
+    # ---- its adjoint, for streaming injection -----------------------------------------------------------
+    def branch_adjoint(self, b: int, n: torch.Tensor) -> torch.Tensor:
+        """g_b * (n_b D_b): the branch's share of the adjoint, (B, T, 2r). Only n carries gradient."""
+        with torch.no_grad():
+            g = self.gate(b, n)
+        return g * (n @ self.decoders[b].detach().to(n.dtype))
+
+    def terminal_adjoint(self, total: torch.Tensor, x_terminal: torch.Tensor) -> torch.Tensor:
+        """Z (B, T, d) whose VJP with e is, for every branch input, that branch's correction.
+
+        <h, [p ; m]> = sum_s p_s . (h1_s + a_s sum_{t<=s} h2_t / A_t), so Z = (h1 + a * cumsum(h2 / A)) P."""
+        with torch.no_grad():
+            a, a_rev = self.mean_weights(x_terminal)
+        h1, h2 = total.to(a.dtype).split(self.rank, dim=-1)
+        u = h1 + a * (h2 / a_rev).cumsum(dim=1)
+        return u @ self.projection.detach().to(a.dtype)
+
+
+class LearnedSource(CreditSource):
+    name, omits, fits = "learned", True, True
+
+    def __init__(self, model: ModelConfig, credit: CreditConfig):
+        super().__init__()
+        self.predictor = Predictor(model, credit.rank)
+        self.materialized = credit.materialized
+        self.teacher = None  # created on the first teacher update (credit/teacher.py)
+        self.credit_cfg = credit
+
+    def step(self) -> OmitCredit:
+        if self.materialized:
+            return MaterializedCredit(self.predictor)
+        return AdjointCredit(self.predictor.branch_adjoint, self.predictor.terminal_adjoint)
+
+    def teach(self, trainer, inputs, targets, scale: float) -> torch.Tensor:
+        from creditlab.credit.teacher import Teacher
+
+        if self.teacher is None:
+            self.teacher = Teacher(self.predictor, self.credit_cfg)
+        return self.teacher.teach(trainer, inputs, targets, scale)
+
+    def end_update(self, kind: str) -> dict | None:
+        return self.teacher.step() if kind == "teacher" else None
+
+
+class _DecodeAllAtTap(torch.autograd.Function):
+    """Identity on x_L; its backward decodes all 16 corrections at once and returns them as the gradients
+    of the branch inputs: the organization that holds every correction at the same time."""
+
+    @staticmethod
+    def forward(ctx, x, predictor, a, a_rev, gates, *branch_inputs):
+        ctx.predictor = predictor
+        ctx.save_for_backward(a, a_rev, *gates)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, e):
+        a, a_rev, *gates = ctx.saved_tensors
+        code = ctx.predictor.code(e, a, a_rev)
+        corrections = [ctx.predictor.decode(b, code, g).to(e.dtype) for b, g in enumerate(gates)]
+        return (e, None, None, None, None, *corrections)
+
+
+class MaterializedCredit(OmitCredit):
+    def __init__(self, predictor: Predictor):
+        self.predictor = predictor
+        self.inputs: list[torch.Tensor] = []
+        self.gates: list[torch.Tensor] = []
+
+    def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.gates.append(self.predictor.gate(index, n))
+        self.inputs.append(n)
+        return n.detach()
+
+    def terminal(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            a, a_rev = self.predictor.mean_weights(x)
+        return _DecodeAllAtTap.apply(x, self.predictor, a, a_rev, self.gates, *self.inputs)
+
+
+def decode_all(predictor: Predictor, e: torch.Tensor, x_terminal: torch.Tensor,
+               branch_inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every branch's correction for terminal error e, explicitly: for checks and fit metrics."""
+    a, a_rev = predictor.mean_weights(x_terminal)
+    code = predictor.code(e, a, a_rev)
+    return [predictor.decode(b, code, predictor.gate(b, n)) for b, n in enumerate(branch_inputs)]
+
+
+class StateCredit(ExactCredit):
+    """Exact backprop that also keeps the forward states the predictor reads (branch inputs, x_L)."""
+
+    def __init__(self):
+        self.branch_inputs: list[torch.Tensor] = []
+        self.x_terminal = None
+
+    def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
+        self.branch_inputs.append(n.detach())
+        return n
+
+    def terminal(self, x: torch.Tensor) -> torch.Tensor:
+        self.x_terminal = x.detach()
+        return x
+
+
+__all__ = ["Predictor", "LearnedSource", "MaterializedCredit", "decode_all", "StateCredit", "RecordCredit",
+           "zero_valued"]
