@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -121,6 +122,31 @@ class Trainer:
             raise FloatingPointError(f"loss is {loss} at update {update + 1}; lower the learning rates "
                                      f"(--set train.lr_muon=..., train.lr_embed=...)")
         return UpdateRow(update, kind, loss, timer.seconds, tokens, tps, lr_scale, alloc, reserved, mfu, fit)
+
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs: model, optimizers, credit source (predictor and its optimizer),
+        data position and update count."""
+        teacher = getattr(self.source, "teacher", None)
+        return {"model": self.model.state_dict(), "optimizers": self.optimizers.state_dict(),
+                "source": self.source.state_dict(), "teacher": teacher.state_dict() if teacher else None,
+                "loader": self.loader.state_dict(), "update": self.update_index, "config": self.cfg.to_dict()}
+
+    def save_checkpoint(self, path) -> None:
+        tmp = f"{path}.tmp"
+        torch.save(self.state_dict(), tmp)
+        os.replace(tmp, path)
+
+    def load_checkpoint(self, path) -> None:
+        state = torch.load(path, map_location=self.runtime.device, weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizers.load_state_dict(state["optimizers"])
+        self.source.load_state_dict(state["source"])
+        if state["teacher"] is not None:
+            from creditlab.credit.teacher import Teacher
+            self.source.teacher = Teacher(self.source.predictor, self.cfg.credit)
+            self.source.teacher.load_state_dict(state["teacher"])
+        self.loader.load_state_dict(state["loader"])
+        self.update_index = state["update"]
 
     def run(self, updates: int | None = None, progress: bool = True, on_row=None) -> list[UpdateRow]:
         from tqdm import tqdm

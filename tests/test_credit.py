@@ -1,0 +1,260 @@
+"""The credit path: omitted products, injection exactness, the predictor's checks, teacher fitting."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from creditlab import checks
+from creditlab import runtime as rt
+from creditlab.config import CreditConfig, load
+from creditlab.credit.predictor import LearnedSource, Predictor, decode_all, reverse_cumsum
+from creditlab.credit.sources import DFASource, InjectCredit, RecordCredit, ZeroSource, make_source
+from creditlab.credit.teacher import Teacher
+from creditlab.data import SyntheticLoader
+from creditlab.flops import flop_budget
+from creditlab.model import ExactCredit
+
+SMALL = checks.seed_structure()  # 8 layers, 16 branches, every parameter kind
+
+
+class CountMatmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_cost(model, idx, targets, credit):
+    loss = model(idx, targets, credit=credit)
+    with CountMatmuls() as counter, FlopCounterMode(display=False) as flops:
+        loss.backward()
+    return counter.count, flops.get_total_flops()
+
+
+def test_synthetic_backward_skips_exactly_the_sixteen_input_products():
+    model = checks.randomized_model(SMALL, 0)
+    idx, targets = checks._batch(SMALL, 0)
+    exact_mm, exact_flops = _backward_cost(model, idx, targets, ExactCredit())
+    zero_mm, zero_flops = _backward_cost(model, idx, targets, ZeroSource().step())
+    assert exact_mm - zero_mm == SMALL.branches == 16
+    tokens = idx.numel()
+    omitted = flop_budget(SMALL).omitted_per_token * tokens  # the FLOP accounting's omitted term, exactly
+    assert exact_flops - zero_flops == omitted
+
+
+def test_weight_gradients_of_omitted_products_stay_exact():
+    # With true corrections injected the Q/K/V and expansion weights get native gradients: only the input
+    # products were skipped, never the weight products.
+    model = checks.randomized_model(SMALL, 1)
+    idx, targets = checks._batch(SMALL, 1)
+    record = RecordCredit(SMALL.branches)
+    native = checks._trunk_grads(model, idx, targets, record)
+    zero = checks._trunk_grads(model, idx, targets, ZeroSource().step())
+    last = SMALL.layers - 1  # nothing downstream of the last MLP branch is omitted
+    for name in (f"blocks.{last}.mlp.fc.weight", f"blocks.{last}.mlp.proj.weight"):
+        torch.testing.assert_close(zero[name], native[name], rtol=1e-12, atol=0)
+    assert (zero["blocks.0.attn.qkv.weight"] - native["blocks.0.attn.qkv.weight"]).abs().max() > 1e-6
+
+
+def test_oracle_matches_native_and_the_check_can_fail():
+    result = checks.oracle_checks(SMALL, seed=3)
+    assert result["max_rel_err"] <= checks.TOLERANCE
+    assert len(result["groups"]) == len(list(checks.randomized_model(SMALL, 0).trunk_parameters()))
+    assert result["zero_max_rel_err"] > 1e-3  # nothing injected: the same comparison fails
+    mutation = result["mutation"]
+    assert mutation["caught"] and mutation["broken"]
+    assert "blocks.7.mlp.fc.weight" not in mutation["broken"]  # downstream of the dropped branch: untouched
+
+
+def test_streaming_equals_explicit_decode_and_materialized():
+    s = checks.streaming_check(SMALL, seed=4)
+    assert s["streaming_max_rel_err"] <= checks.TOLERANCE
+    assert s["materialized_max_rel_err"] <= checks.TOLERANCE
+    assert s["zero_max_rel_err"] > 1e-3
+
+
+def test_linearity_and_reverse_causal_support_pass():
+    predictor = checks.randomized_predictor(SMALL, 5)
+    assert checks.linearity_check(predictor, SMALL, 5)["passed"]
+    causal = checks.reverse_causal_check(predictor, SMALL, 5)
+    assert causal["passed"] and causal["nonzero_before"] == 0 and causal["nonzero_at_or_after"] > 0
+
+
+class ForwardMeanPredictor(Predictor):
+    """A variant that averages over s <= t: credit from the past, which the support check must reject."""
+
+    def code(self, e, a, a_rev):
+        p = e.to(a.dtype) @ self.projection.to(a.dtype).t()
+        m = (a * p).cumsum(1) / a.cumsum(1)
+        return torch.cat([p, m], dim=-1)
+
+
+class AffinePredictor(Predictor):
+    """A variant with a constant offset: not linear in the terminal error."""
+
+    def decode(self, b, code, gate):
+        return super().decode(b, code, gate) + 0.1
+
+
+def test_forward_mean_variant_fails_support_check():
+    predictor = checks.randomized_predictor(SMALL, 6, cls=ForwardMeanPredictor)
+    assert not checks.reverse_causal_check(predictor, SMALL, 6)["passed"]
+    assert checks.linearity_check(predictor, SMALL, 6)["passed"]  # still linear: only support is wrong
+
+
+def test_affine_variant_fails_linearity_check():
+    predictor = checks.randomized_predictor(SMALL, 7, cls=AffinePredictor)
+    assert not checks.linearity_check(predictor, SMALL, 7)["passed"]
+
+
+def test_run_all_reports_the_json_shape():
+    result = checks.run_all({"small": SMALL}, [0])
+    assert result["passed"]
+    assert set(result) >= {"oracle", "zero_differs", "mutation_caught", "linearity", "reverse_causal", "passed"}
+    assert {"name", "rel_err"} == set(result["oracle"]["groups"][0])
+
+
+def test_zero_decoders_inject_exactly_zero():
+    model = checks.randomized_model(SMALL, 8)
+    idx, targets = checks._batch(SMALL, 8)
+    learned = LearnedSource(SMALL, CreditConfig(rank=4)).double()
+    assert learned.predictor.decoders.abs().max() == 0
+    zero = checks._trunk_grads(model, idx, targets, ZeroSource().step())
+    got = checks._trunk_grads(model, idx, targets, learned.step())
+    for name in zero:
+        assert torch.equal(got[name], zero[name]), name
+
+
+def test_decoders_reproduce_a_known_linear_map():
+    torch.manual_seed(0)
+    r, d = 4, SMALL.width
+    predictor = Predictor(SMALL, r).double()
+    maps = torch.randn(SMALL.branches, d, r, dtype=torch.float64)
+    with torch.no_grad():
+        predictor.state_gates.zero_()  # every gate sigmoid(0) = 1/2
+        predictor.decoders.zero_()
+        predictor.decoders[:, :, :r] = maps  # read only p = P e
+    x = torch.randn(2, 5, d, dtype=torch.float64)
+    ns = [torch.randn(2, 5, d, dtype=torch.float64) for _ in range(SMALL.branches)]
+    e = torch.randn(2, 5, d, dtype=torch.float64)
+    got = decode_all(predictor, e, x, ns)
+    P = predictor.projection.detach()
+    for b in range(SMALL.branches):
+        torch.testing.assert_close(got[b], 0.5 * e @ (maps[b] @ P).t(), rtol=1e-12, atol=1e-12)
+
+
+def test_reverse_mean_is_the_gated_mean_over_later_positions():
+    a = torch.rand(1, 6, 1, dtype=torch.float64) + 0.1
+    p = torch.randn(1, 6, 3, dtype=torch.float64)
+    m = reverse_cumsum(a * p) / reverse_cumsum(a)
+    for t in range(6):
+        expected = (a[0, t:] * p[0, t:]).sum(0) / a[0, t:].sum()
+        torch.testing.assert_close(m[0, t], expected)
+
+
+def test_dfa_injects_fixed_random_feedback_of_the_terminal_error():
+    model = checks.randomized_model(SMALL, 9)
+    idx, targets = checks._batch(SMALL, 9)
+    cfg = load("tiny")
+    cfg.model = SMALL
+    cfg.credit.source = "dfa"
+    dfa = make_source(cfg).double()
+    assert isinstance(dfa, DFASource)
+    e_box = {}
+
+    class Tap(ExactCredit):
+        def terminal(self, x):
+            x.register_hook(lambda g: e_box.setdefault("e", g.detach()))
+            return x
+
+    checks._trunk_grads(model, idx, targets, Tap())
+    B = dfa.feedback
+
+    def term(b, n):
+        return (n * (e_box["e"] @ B[b])).sum()
+
+    reference = checks._trunk_grads(model, idx, targets, InjectCredit(term))
+    got = checks._trunk_grads(model, idx, targets, dfa.step())
+    errs = checks._rel_errors(got, reference)
+    assert max(errs.values()) <= 1e-10
+
+
+class _TrainerStub:
+    def __init__(self, model, cfg):
+        self.model, self.cfg = model, cfg
+        self.runtime = rt.resolve(cfg.train)
+
+
+def _heldout_error(model, predictor, loader, positions) -> torch.Tensor:
+    """Mean normalized squared error of the predicted corrections per branch on held-out batches."""
+    errs = []
+    for position in positions:
+        batch = loader.batch_at(position)
+        state = {"ns": []}
+
+        class Tap(RecordCredit):
+            def branch(self, index, n):
+                state["ns"].append(n.detach())
+                return super().branch(index, n)
+
+            def terminal(self, x):
+                state["x"] = x.detach()
+                x.register_hook(lambda g: state.setdefault("e", g.detach()))
+                return x
+
+        rec = Tap(model.cfg.branches)
+        model.zero_grad(set_to_none=True)
+        model(batch[:, :-1], batch[:, 1:], credit=rec).backward()
+        with torch.no_grad():
+            predicted = decode_all(predictor, state["e"], state["x"], state["ns"])
+        errs.append(torch.stack([(p - c).square().sum() / c.square().sum()
+                                 for p, c in zip(predicted, rec.corrections)]))
+    return torch.stack(errs).mean(0)
+
+
+def test_teacher_fitting_cuts_heldout_correction_error():
+    torch.manual_seed(0)
+    cfg = load("tiny", ["model.vocab_size=97"])
+    model = checks.randomized_model(cfg.model, 0).float()  # a fixed model: only the predictor learns
+    source = LearnedSource(cfg.model, CreditConfig(rank=8))
+    source.teacher = Teacher(source.predictor, CreditConfig(predictor_lr=1e-2))
+    train = SyntheticLoader(97, 8, cfg.model.seq_len, seed=1)
+    heldout = range(10_000, 10_004)  # the same stream, positions training never reaches
+    start = _heldout_error(model, source.predictor, train, heldout)
+    assert torch.allclose(start, torch.ones_like(start))  # zero decoders predict nothing: error exactly 1
+    stub = _TrainerStub(model, cfg)
+    fits = []
+    for _ in range(150):
+        batch = train.next()
+        source.teacher.teach(stub, batch[:, :-1], batch[:, 1:], 1.0)
+        model.zero_grad(set_to_none=True)
+        fits.append(source.teacher.step())
+    after = _heldout_error(model, source.predictor, train, heldout)
+    assert after.mean() < 0.85, after  # measured 0.78 on this setup
+    assert (after < 0.95).all(), after
+    assert set(fits[-1]["fit_branches"]) == {str(b) for b in range(cfg.model.branches)}
+    assert fits[-1]["fit_cosine"] > 0.2
+
+
+def test_learned_training_alternates_teacher_and_synthetic_and_checkpoints_the_predictor(tmp_path):
+    from creditlab.train import Trainer
+
+    cfg = load("tiny", ["model.vocab_size=97", "credit.source=learned", "train.updates=5", "credit.teacher_every=2"])
+    loader = SyntheticLoader(97, cfg.train.micro_batch, cfg.model.seq_len, seed=0)
+    trainer = Trainer(cfg, loader=loader)
+    rows = trainer.run(progress=False)
+    assert [r.kind for r in rows] == ["teacher", "synthetic", "teacher", "synthetic", "teacher"]
+    assert all((r.fit is not None) == (r.kind == "teacher") for r in rows)
+    path = tmp_path / "ckpt.pt"
+    trainer.save_checkpoint(path)
+    other = Trainer(cfg, loader=SyntheticLoader(97, cfg.train.micro_batch, cfg.model.seq_len, seed=0))
+    other.load_checkpoint(path)
+    torch.testing.assert_close(other.source.predictor.decoders, trainer.source.predictor.decoders, rtol=0, atol=0)
+    assert other.source.predictor.decoders.abs().max() > 0  # the fit moved the decoders, and they were saved
+    assert other.update_index == 5 and other.loader.position == trainer.loader.position
