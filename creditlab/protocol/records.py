@@ -7,6 +7,7 @@ it finished readable.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -25,10 +26,10 @@ def new_record_dir(root: str | os.PathLike, kind: str) -> Path:
     return path
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def _atomic_write(path: Path, text: str | bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -45,6 +46,36 @@ def write_once(path: str | os.PathLike, content: str | dict | list) -> Path:
     text = content if isinstance(content, str) else json.dumps(content, indent=2, sort_keys=True, default=str) + "\n"
     _atomic_write(path, text)
     return path
+
+
+def write_bytes_once(path: str | os.PathLike, data: bytes) -> Path:
+    """Write bytes atomically (creating parent folders); refuse if the file already exists."""
+    path = Path(path)
+    if path.exists():
+        raise FileExistsError(f"{path} exists and records are append-only; write a new record instead")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, data)
+    return path
+
+
+def copy_once(src: str | os.PathLike, dst: str | os.PathLike) -> str:
+    """Copy a file's bytes into a record (never over an existing file); returns the SHA256 of what was copied."""
+    data = Path(src).read_bytes()
+    write_bytes_once(dst, data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def canonical_json(value) -> str:
+    """The one text of a JSON value that hashes are taken over: sorted keys, no whitespace."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
 def append_jsonl(path: str | os.PathLike, row: dict) -> None:

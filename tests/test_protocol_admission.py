@@ -1,0 +1,199 @@
+"""Admission: freezing sources, config and data manifest; verification that names what changed; the id rule;
+one verdict per admission with one repair."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from creditlab import cli, config
+from creditlab.protocol import admission as adm
+from creditlab.protocol.records import canonical_json
+
+
+def make_tree(root: Path) -> Path:
+    """A stand-in package tree: what an admission freezes is every creditlab/**/*.py under root."""
+    for rel, text in {"creditlab/__init__.py": "", "creditlab/model.py": "WIDTH = 512\n",
+                      "creditlab/credit/sources.py": "SOURCES = ('exact',)\n",
+                      "creditlab/__pycache__/model.cpython-311.py": "not a source\n",
+                      "creditlab/notes.txt": "not python\n"}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+@pytest.fixture
+def tree(tmp_path):
+    return make_tree(tmp_path / "repo")
+
+
+def cfg_for(tmp_path, *overrides):
+    return config.load("tiny", [f"train.out_dir={tmp_path / 'runs'}", *overrides])
+
+
+def test_admission_freezes_sources_config_and_says_no_manifest_applies(tmp_path, tree):
+    cfg = cfg_for(tmp_path)
+    a, created = adm.admit(cfg, root=tree, preset="tiny")
+    assert created
+    listed = {f.path: f.role for f in a.files}
+    assert listed == {"creditlab/__init__.py": "source", "creditlab/model.py": "source",
+                      "creditlab/credit/sources.py": "source", "config.json": "config"}
+    assert a.dir == tmp_path / "runs" / "admissions" / a.id
+    assert a.meta["data"]["applies"] is False and "synthetic" in a.meta["data"]["why"]
+    # Every file's SHA256, and a byte-identical copy of it in the admission.
+    for f in a.files:
+        assert hashlib.sha256(a.copy_path(f).read_bytes()).hexdigest() == f.sha256
+    assert a.copy_path(next(f for f in a.files if f.role == "source" and f.path.endswith("model.py"))).read_text() \
+        == "WIDTH = 512\n"
+    assert a.config_text == cfg.to_json() + "\n" and a.config().to_dict() == cfg.to_dict()
+    # The id is the SHA256 of the canonical list.
+    listing = sorted(({"path": f.path, "role": f.role, "sha256": f.sha256} for f in a.files), key=lambda d: d["path"])
+    assert a.id == hashlib.sha256(canonical_json(listing).encode()).hexdigest()
+
+
+def test_same_inputs_same_admission_and_any_change_a_new_one(tmp_path, tree):
+    a, _ = adm.admit(cfg_for(tmp_path), root=tree)
+    again, created = adm.admit(cfg_for(tmp_path), root=tree)
+    assert not created and again.id == a.id
+    other_cfg, _ = adm.admit(cfg_for(tmp_path, "screen.updates=11"), root=tree)
+    assert other_cfg.id != a.id
+    (tree / "creditlab" / "model.py").write_text("WIDTH = 256\n")
+    other_src, _ = adm.admit(cfg_for(tmp_path), root=tree)
+    assert other_src.id not in (a.id, other_cfg.id)
+
+
+def test_verification_passes_then_names_every_mismatch(tmp_path, tree):
+    a, _ = adm.admit(cfg_for(tmp_path), root=tree)
+    v = adm.verify(a, tree)
+    assert v.ok and v.summary().startswith("4/4 frozen files match")
+    cfg, _ = adm.verified_config(a, tree)
+    assert cfg.to_dict() == cfg_for(tmp_path).to_dict()
+
+    (tree / "creditlab" / "model.py").write_text("WIDTH = 1024\n")  # changed live file
+    (tree / "creditlab" / "credit" / "sources.py").unlink()  # missing live file
+    (tree / "creditlab" / "extra.py").write_text("x = 1\n")  # added since admission
+    v = adm.verify(a, tree)
+    status = {c.path: c.status for c in v.checks}
+    assert status == {"creditlab/__init__.py": "match", "creditlab/model.py": "changed",
+                      "creditlab/credit/sources.py": "missing", "config.json": "match",
+                      "creditlab/extra.py": "added"}
+    assert not v.ok and v.summary().startswith("2/4 frozen files match")
+    for name in ("creditlab/model.py (changed since admission)", "creditlab/credit/sources.py (missing)",
+                 "creditlab/extra.py (added since admission)"):
+        assert name in v.summary()
+    with pytest.raises(adm.AdmissionMismatch, match="creditlab/model.py"):
+        adm.verified_config(a, tree)
+
+
+def test_an_altered_frozen_copy_is_a_mismatch(tmp_path, tree):
+    a, _ = adm.admit(cfg_for(tmp_path), root=tree)
+    copy = a.dir / adm.FILES / "creditlab" / "model.py"
+    copy.write_text("WIDTH = 1\n")
+    (a.dir / adm.FILES / adm.CONFIG_PATH).write_text(cfg_for(tmp_path, "screen.updates=3").to_json() + "\n")
+    v = adm.verify(a, tree)
+    status = {c.path: c.status for c in v.checks}
+    assert status["creditlab/model.py"] == "copy_changed"
+    assert status["config.json"] == "changed"  # the admitted config is the stored copy: it is what would run
+    with pytest.raises(adm.AdmissionMismatch, match=r"creditlab/model.py \(stored copy altered\)"):
+        adm.verified_config(a, tree)
+
+
+def test_an_altered_admission_listing_is_refused(tmp_path, tree):
+    a, _ = adm.admit(cfg_for(tmp_path), root=tree)
+    meta = json.loads((a.dir / adm.ADMISSION_FILE).read_text())
+    meta["files"][0]["sha256"] = "0" * 64
+    (a.dir / adm.ADMISSION_FILE).write_text(json.dumps(meta))
+    with pytest.raises(adm.AdmissionError, match="altered"):
+        adm.load(a.dir)
+
+
+def test_data_manifest_is_frozen_when_data_are_prepared(tmp_path, tree):
+    data = tmp_path / "prepared"
+    data.mkdir()
+    (data / "manifest.json").write_text('{"splits": {}, "tokenizer": {"vocab_size": 12289}}\n')
+    cfg = cfg_for(tmp_path, "data.source=shards", f"data.dir={data}")
+    a, _ = adm.admit(cfg, root=tree)
+    entry = next(f for f in a.files if f.role == "data_manifest")
+    assert entry.path == adm.MANIFEST_PATH and a.meta["data"]["applies"] is True
+    assert adm.verify(a, tree).summary().startswith("5/5 frozen files match")
+    (data / "manifest.json").write_text('{"splits": {"train": 1}}\n')
+    with pytest.raises(adm.AdmissionMismatch, match=r"data/manifest.json \(changed since admission\)"):
+        adm.verified_config(a, tree)
+    with pytest.raises(adm.AdmissionError, match="does not exist"):
+        adm.admit(cfg_for(tmp_path, "data.source=shards", f"data.dir={tmp_path / 'nowhere'}"), root=tree)
+
+
+def test_find_by_folder_id_or_prefix(tmp_path, tree):
+    a, _ = adm.admit(cfg_for(tmp_path), root=tree)
+    runs = tmp_path / "runs"
+    assert adm.find(str(a.dir), runs).id == a.id
+    assert adm.find(a.id, runs).id == a.id
+    assert adm.find(a.id[:10], runs).id == a.id
+    with pytest.raises(adm.AdmissionError, match="no admission"):
+        adm.find("f" * 12 if not a.id.startswith("f") else "0" * 12, runs)
+    with pytest.raises(adm.AdmissionError, match="at least 8 hex"):
+        adm.find("abc", runs)
+
+
+def test_one_verdict_per_admission_and_one_repair(tmp_path, tree):
+    a, _ = adm.admit(cfg_for(tmp_path), root=tree)
+    assert adm.may_screen(a)["repair"] is None
+    with pytest.raises(adm.AdmissionError, match="nothing to repair"):
+        adm.may_screen(a, repair="a fix")
+    adm.record_screen(a, {"record_dir": "runs/first", "time": "t0", "repair": None})
+    adm.record_verdict(a, {"verdict": "timing_miss", "record_dir": "runs/first", "time": "t1", "repair": None})
+    with pytest.raises(adm.AdmissionConsumed, match="already has a verdict: timing_miss recorded in runs/first"):
+        adm.may_screen(a)
+    with pytest.raises(adm.AdmissionError, match="needs a reason"):
+        adm.may_screen(a, repair="  ")
+    allowed = adm.may_screen(a, repair="native arm used the wrong optimizer")
+    assert allowed["repair"] == "native arm used the wrong optimizer" and len(allowed["earlier_verdicts"]) == 1
+    adm.record_verdict(a, {"verdict": "pass", "record_dir": "runs/second", "time": "t2",
+                           "repair": "native arm used the wrong optimizer"})
+    with pytest.raises(adm.AdmissionConsumed, match="one repair was used.*runs/second"):
+        adm.may_screen(a, repair="another fix")
+    with pytest.raises(adm.AdmissionConsumed):
+        adm.may_screen(a)
+    # Admitting the same inputs again finds the same, consumed admission.
+    again, created = adm.admit(cfg_for(tmp_path), root=tree)
+    assert not created and len(adm.verdicts(again)) == 2
+
+
+def test_screens_without_a_verdict_are_listed_for_the_next_record(tmp_path, tree):
+    a, _ = adm.admit(cfg_for(tmp_path), root=tree)
+    adm.record_screen(a, {"record_dir": "runs/crashed", "time": "t0", "repair": None})
+    assert adm.may_screen(a)["unfinished_screens"] == ["runs/crashed"]
+
+
+def test_exclusive_holds_the_admission(tmp_path, tree):
+    a, _ = adm.admit(cfg_for(tmp_path), root=tree)
+    with adm.exclusive(a):
+        with pytest.raises(adm.AdmissionError, match="another screen is running"):
+            with adm.exclusive(a):
+                pass
+    with adm.exclusive(a):  # released
+        pass
+
+
+def test_cli_admit_json_and_refusal_on_an_altered_copy(tmp_path, capsys):
+    out = tmp_path / "runs"
+    assert cli.main(["admit", "--preset", "tiny", "--set", f"train.out_dir={out}", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert set(printed) == {"admission", "files"}
+    a = adm.load(out / "admissions" / printed["admission"])
+    n_sources = len(adm.source_paths(adm.package_root()))
+    assert printed["files"] == len(a.files) and n_sources + 1 <= printed["files"] <= n_sources + 3
+    target = next(f for f in a.files if f.path == "creditlab/protocol/admission.py")
+    a.copy_path(target).write_text("# altered\n")
+    code = cli.main(["screen", "--admission", printed["admission"][:12], "--out-dir", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "refused" in err and "creditlab/protocol/admission.py (stored copy altered)" in err
+    assert not [p for p in out.iterdir() if "-screen-" in p.name]  # refused before any record
+    # A config given alongside an admission is refused: an admitted screen runs the admitted config.
+    assert cli.main(["screen", "--admission", printed["admission"], "--out-dir", str(out),
+                     "--set", "screen.updates=2"]) == 2
+    assert "admitted config" in capsys.readouterr().err
