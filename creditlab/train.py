@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -153,8 +154,9 @@ class Trainer:
 
         total = updates if updates is not None else self.cfg.train.updates
         rows = []
-        bar = tqdm(range(total), desc="train", unit="update", disable=not (progress and self.runtime.is_main),
-                   dynamic_ncols=True)
+        # A bar only on a terminal; logs and pipes get the plain step lines.
+        progress = progress and self.runtime.is_main and sys.stderr.isatty()
+        bar = tqdm(range(total), desc="train", unit="update", disable=not progress, dynamic_ncols=True)
         for _ in bar:
             row = self.train_update()
             rows.append(row)
