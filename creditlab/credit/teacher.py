@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from creditlab.config import CreditConfig
@@ -87,8 +88,9 @@ class Teacher:
     def teach(self, trainer, inputs: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
         """One exact micro-batch (gradients accumulate into the model) that also fits the predictor."""
         credit = FitCredit(self, scale)
+        model = trainer.ddp or trainer.model  # eager: the fit's hooks would break compiled graphs
         with trainer.runtime.autocast():
-            loss = trainer.model(inputs, targets, credit=credit, loss_chunk=trainer.cfg.train.loss_chunk)
+            loss = model(inputs, targets, credit=credit, loss_chunk=trainer.cfg.train.loss_chunk)
         (loss * scale).backward()
         missing = sorted(credit.branch_inputs)
         if missing or credit.code is None:
@@ -98,6 +100,10 @@ class Teacher:
 
     def step(self) -> dict:
         """Apply the accumulated fit gradient; return per-branch mean normalized error and cosine."""
+        if dist.is_available() and dist.is_initialized():  # every rank fits the same predictor
+            for p in self.predictor.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         summary = {b: (sum(e for e, _ in v) / len(v), sum(c for _, c in v) / len(v))
