@@ -154,6 +154,12 @@ def _extensions():
         registers.append(lambda sub, _: add_commands(sub))
     except ImportError:
         pass
+    from creditlab.demo import add_commands as demo_commands
+
+    registers.append(demo_commands)
+    from creditlab.protocol.cli import add_commands as protocol_commands  # admit, screen
+
+    registers.append(protocol_commands)
     return registers
 
 

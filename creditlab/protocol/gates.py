@@ -169,10 +169,10 @@ def decide(native: ArmSummary, synthetic: ArmSummary, occupied_s: float, gates: 
     medians = f"last-{w} medians {syn:.4f} s vs {nat:.4f} s per update"
     if timing.outcome == "miss":
         return Decision("timing_miss",
-                        f"Timing miss: synthetic/native = {ratio:.4f} > {gates.ratio:g} ({medians}).",
+                        f"Timing miss: synthetic/native = {ratio:.4f} > {gates.ratio:.7g} ({medians}).",
                         timing, ratio, w, table)
     peak_text = (f"synthetic peak {_mib(peak)} <= {_mib(gates.peak_mib)}" if peak_gate.outcome == "pass" else
                  "peak gate not applicable on the CPU (not used by the verdict)")
     return Decision("pass",
-                    f"Pass: synthetic/native = {ratio:.4f} <= {gates.ratio:g} ({medians}); {peak_text}; "
+                    f"Pass: synthetic/native = {ratio:.4f} <= {gates.ratio:.7g} ({medians}); {peak_text}; "
                     f"{occupied_s:,.1f} of {gates.cap_s:,.0f} occupied device-seconds.", None, ratio, w, table)

@@ -1,0 +1,272 @@
+"""The resource screen on the CPU: records, identical initialization and inputs (and that their checks catch a
+difference), an injected out-of-memory error, the cap, admitted screens with one verdict and one repair.
+
+The synthetic arm runs the `zero` source here (a stand-in that needs nothing fitted); the runner takes any source
+that omits the 16 products."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from creditlab import cli, config
+from creditlab.protocol import admission as adm
+from creditlab.protocol import screen as scr
+from creditlab.protocol.records import read_jsonl
+
+UPDATES = 4
+SMALL = ["credit.source=zero", f"screen.updates={UPDATES}", "screen.window=2", "train.micro_batch=2",
+         "train.grad_accum=2", "model.seq_len=32", "train.warmup=0"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These tests time nothing; one thread keeps them fast on a CPU shared with other work."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def cfg_for(tmp_path, *overrides):
+    return config.load("tiny", [f"train.out_dir={tmp_path / 'runs'}", *SMALL, *overrides])
+
+
+def screen(cfg, **kw):
+    kw.setdefault("log", io.StringIO())
+    return scr.run_screen(cfg, **kw)
+
+
+def tree(root: Path) -> Path:
+    for rel in ("creditlab/__init__.py", "creditlab/model.py"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(f"# {rel}\n")
+    return root
+
+
+# ---- pure pieces -------------------------------------------------------------------------------------------
+
+def test_state_and_token_hashes_see_one_element():
+    a = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.zeros(())}
+    b = {k: v.clone() for k, v in a.items()}
+    assert scr.state_sha256(a) == scr.state_sha256(b)
+    b["w"][1, 2] += 1e-6
+    assert scr.state_sha256(a) != scr.state_sha256(b)
+    assert scr.state_sha256(a) != scr.state_sha256({"w": a["w"].double(), "b": a["b"]})  # dtype counts
+    t = torch.randint(0, 100, (2, 9))
+    u = t.clone()
+    assert scr.tokens_sha256(t) == scr.tokens_sha256(u)
+    u[0, 0] += 1
+    assert scr.tokens_sha256(t) != scr.tokens_sha256(u)
+
+
+@pytest.mark.parametrize("ref,other,complete,match,first", [
+    (["a", "b", "c"], ["a", "b", "c"], True, True, None),
+    (["a", "b", "c"], ["a", "x", "c"], True, False, 1),
+    (["a", "b", "c"], ["a", "b"], True, False, 2),  # both complete: equally many
+    (["a", "b", "c"], ["a", "b"], False, True, None),  # stopped early: equal over what both read
+    (["a", "b", "c"], ["b"], False, False, 0),
+])
+def test_compare_sequences(ref, other, complete, match, first):
+    out = scr.compare_sequences(ref, other, complete)
+    assert out["match"] is match and out["first_difference"] == first
+
+
+def test_arm_configs_and_the_candidate_source():
+    cfg = config.load("tiny")
+    assert scr.synthetic_source_of(cfg) == "learned"  # the presets say exact: the screen's candidate is learned
+    assert scr.synthetic_source_of(config.load("tiny", ["credit.source=zero"])) == "zero"
+    native, synthetic = (scr.arm_config(cfg, arm, "learned") for arm in scr.ARMS)
+    assert native.credit.source == "exact" and synthetic.credit.source == "learned"
+    assert synthetic.credit.teacher_every == 0
+    for c in (native, synthetic):
+        assert c.train.seed == cfg.screen.seed == 42261 and c.train.updates == cfg.screen.updates
+    assert native.train == synthetic.train and native.model == synthetic.model  # same optimizers, same model
+
+
+def test_preflight_refuses_what_cannot_be_a_synthetic_arm(tmp_path):
+    cfg = cfg_for(tmp_path)
+    with pytest.raises(scr.ScreenRefused, match="omits"):
+        screen(cfg, synthetic_source="exact")
+    with pytest.raises(scr.ScreenRefused, match="unknown credit source"):
+        screen(cfg, synthetic_source="nope")
+    with pytest.raises(scr.ScreenRefused, match="--repair"):
+        screen(cfg, repair="no admission to repair")
+    assert not (tmp_path / "runs").exists()  # refused before any record
+
+
+# ---- a whole screen ----------------------------------------------------------------------------------------
+
+def test_exploratory_screen_writes_a_complete_record(tmp_path):
+    cfg = cfg_for(tmp_path, "screen.ratio_gate=100", "screen.memory_cap_mib=4000")
+    out = screen(cfg)
+    r, rec = out.result, out.record_dir
+    assert out.exit_code == 0 and r["verdict"] == "pass"
+    assert r["mode"] == "exploratory" and r["admission"] is None and r["stand_in"] is True
+    for name in ("config.json", "arms.json", "env.json", "admission.json", "rows.jsonl", "result.json", "report.md",
+                 "sources.json"):
+        assert (rec / name).exists(), name
+    assert not (rec / "traceback.txt").exists()
+    assert json.loads((rec / "config.json").read_text()) == cfg.to_dict()
+    env = json.loads((rec / "env.json").read_text())
+    assert {"torch", "git_sha", "device", "admission", "prelaunch", "memory_cap"} <= set(env)
+    assert env["prelaunch"] is None and env["memory_cap"]["applied"] is False  # CPU
+    # The package sources as they were, copied into the record.
+    copied = json.loads((rec / "sources.json").read_text())["files"]
+    assert copied and all((rec / "source" / f["path"]).exists() for f in copied)
+    assert any(f["path"] == "creditlab/protocol/screen.py" for f in copied)
+    # Rows: one per update and arm, in order, with the micro-batch hashes of that update.
+    rows = read_jsonl(rec / "rows.jsonl")
+    assert [(x["arm"], x["update"]) for x in rows] == [(a, u) for a in scr.ARMS for u in range(UPDATES)]
+    assert all(x["kind"] == ("native" if x["arm"] == "native" else "synthetic") for x in rows)
+    assert all(len(x["inputs_sha256"]) == 2 and x["seconds"] > 0 and x["peak_allocated_mib"] is None for x in rows)
+    by_arm = {a: [h for x in rows if x["arm"] == a for h in x["inputs_sha256"]] for a in scr.ARMS}
+    assert by_arm["native"] == by_arm["synthetic"] and len(set(by_arm["native"])) == 2 * UPDATES
+    # Identical initialization and inputs, recorded per arm.
+    assert r["identical_init"]["match"] and r["identical_inputs"]["match"]
+    assert r["arms"]["native"]["init_sha256"] == r["arms"]["synthetic"]["init_sha256"] == r["identical_init"]["sha256"]
+    assert r["arms"]["native"]["inputs"]["sha256"] == by_arm["native"]
+    # Same start, same data: the first update's loss is the same in both arms.
+    assert rows[0]["loss"] == pytest.approx(rows[UPDATES]["loss"], rel=1e-6)
+    # Gates on the CPU: the peak gate is not applicable.
+    assert r["gates"]["peak"]["outcome"] == "n/a" and r["gates"]["ratio"]["outcome"] == "pass"
+    assert r["arms"]["synthetic"]["median_last2_s"] > 0
+    report = (rec / "report.md").read_text()
+    assert "Exploratory screen" in report and "**Verdict: pass.**" in report and "| native | exact | 4/4 |" in report
+    assert "Stand-in synthetic source `zero`" in report
+
+
+def test_timing_miss_and_cap_miss_exit_codes(tmp_path):
+    out = screen(cfg_for(tmp_path, "screen.ratio_gate=0.0001"))
+    assert (out.verdict, out.exit_code) == ("timing_miss", 4)
+    assert out.result["decided_by"]["name"] == "ratio"
+    now = {"t": 0.0}
+
+    def jump(arm, update, micro):  # the device is held 10 s by the time native update 2 ends
+        if (arm, update, micro) == ("native", 1, 0):
+            now["t"] = 10.0
+
+    out = screen(cfg_for(tmp_path, "screen.cap_gpu_s=5"), hooks=scr.Hooks(micro_batch=jump, clock=lambda: now["t"]))
+    assert (out.verdict, out.exit_code) == ("cap_miss", 5)
+    rows = read_jsonl(out.record_dir / "rows.jsonl")
+    assert [(x["arm"], x["update"]) for x in rows] == [("native", 0), ("native", 1)]  # stopped at the cap
+    assert out.result["cap_hit"] is True and out.result["gates"]["ratio"]["outcome"] == "not measured"
+    assert out.result["occupied_s"] == 10.0 and out.result["decided_by"]["measured"] == 10.0
+    out = screen(cfg_for(tmp_path, "screen.cap_gpu_s=0"))  # over the cap before the first arm starts
+    assert (out.verdict, out.exit_code) == ("cap_miss", 5) and read_jsonl(out.record_dir / "rows.jsonl") == []
+
+
+def test_injected_out_of_memory_is_a_recorded_capacity_miss(tmp_path):
+    def fault(arm, update, micro):
+        if arm == "synthetic" and update == 2 and micro == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 128.00 MiB (injected)")
+
+    out = screen(cfg_for(tmp_path), hooks=scr.Hooks(micro_batch=fault))
+    r, rec = out.result, out.record_dir
+    assert (out.verdict, out.exit_code) == ("capacity_miss", 3)
+    assert r["decided_by"]["name"] == "oom" and r["decided_by"]["measured"] == "synthetic"
+    # Every row measured before it is there: all native updates, and the synthetic updates 1 and 2.
+    rows = read_jsonl(rec / "rows.jsonl")
+    assert [(x["arm"], x["update"]) for x in rows] == [("native", u) for u in range(UPDATES)] + \
+        [("synthetic", 0), ("synthetic", 1)]
+    oom = r["arms"]["synthetic"]["oom"]
+    assert oom["update"] == 2 and oom["micro_batch"] == 1 and oom["type"] == "OutOfMemoryError"
+    assert "Tried to allocate 128.00 MiB (injected)" in oom["message"]
+    assert oom["allocator"] is None  # CPU
+    snapshot = json.loads((rec / oom["snapshot"]).read_text())
+    assert snapshot["available"] is False and "CUDA" in snapshot["why"]
+    tb = (rec / "traceback.txt").read_text()
+    assert "OutOfMemoryError" in tb and "in fault" in tb and "train_update" in tb
+    assert r["identical_inputs"]["match"] and r["identical_inputs"]["compared"] == 5
+    report = (rec / "report.md").read_text()
+    assert "**Verdict: capacity miss.**" in report and "Out of memory in the synthetic arm at update 3" in report
+
+
+def test_a_different_initialization_is_caught(tmp_path):
+    def perturb(arm, model):
+        if arm == "synthetic":
+            with torch.no_grad():
+                next(model.parameters()).view(-1)[0] += 1e-3
+
+    out = screen(cfg_for(tmp_path), hooks=scr.Hooks(model=perturb))
+    assert out.exit_code == 6 and out.verdict is None
+    assert "identical initialization violated" in out.result["invalid"]
+    assert (out.record_dir / "traceback.txt").exists()
+    assert len(read_jsonl(out.record_dir / "rows.jsonl")) == UPDATES  # the native rows are kept
+    assert "No verdict: invalid screen" in (out.record_dir / "report.md").read_text()
+
+
+def test_different_inputs_are_caught(tmp_path):
+    def shift(arm, loader):
+        if arm == "synthetic":
+            loader.position += 1  # one micro-batch ahead of the native arm
+        return loader
+
+    out = screen(cfg_for(tmp_path), hooks=scr.Hooks(loader=shift))
+    assert out.exit_code == 6 and "identical inputs violated: synthetic micro-batch 0" in out.result["invalid"]
+    rows = read_jsonl(out.record_dir / "rows.jsonl")
+    assert {x["arm"] for x in rows} == {"native"}
+
+
+def test_an_error_is_recorded_not_lost(tmp_path):
+    def fail(arm, update, micro):
+        if arm == "native" and update == 1:
+            raise FloatingPointError("loss is nan")
+
+    out = screen(cfg_for(tmp_path), hooks=scr.Hooks(micro_batch=fail))
+    assert out.exit_code == 1 and out.verdict is None and "loss is nan" in out.result["error"]
+    assert len(read_jsonl(out.record_dir / "rows.jsonl")) == 1
+    assert "FloatingPointError" in (out.record_dir / "traceback.txt").read_text()
+
+
+# ---- under an admission ------------------------------------------------------------------------------------
+
+def test_admitted_screen_one_verdict_one_repair(tmp_path):
+    root = tree(tmp_path / "repo")
+    cfg = cfg_for(tmp_path, "screen.ratio_gate=0.0001")  # a timing miss, deterministically
+    a, _ = adm.admit(cfg, root=root)
+    runs = tmp_path / "runs"
+    first, v = scr.admitted_screen(a.id, runs, root=root, log=io.StringIO())
+    assert v.summary().startswith("3/3 frozen files match")
+    assert first.verdict == "timing_miss" and first.result["mode"] == "admitted" and first.result["admission"] == a.id
+    assert json.loads((first.record_dir / "config.json").read_text()) == cfg.to_dict()
+    assert (first.record_dir / "frozen" / "creditlab" / "model.py").read_text() == "# creditlab/model.py\n"
+    assert (first.record_dir / "frozen" / "config.json").read_text() == a.config_text
+    assert "3/3 frozen files match" in (first.record_dir / "report.md").read_text()
+    assert [x["record_dir"] for x in adm.verdicts(a)] == [str(first.record_dir)]
+
+    with pytest.raises(adm.AdmissionConsumed, match=str(first.record_dir)):
+        scr.admitted_screen(a.id, runs, root=root, log=io.StringIO())
+    second, _ = scr.admitted_screen(a.id, runs, root=root, repair="native optimizer misconfigured",
+                                    log=io.StringIO())
+    assert second.result["repair"] == "native optimizer misconfigured"
+    assert "one repair screen" in (second.record_dir / "report.md").read_text()
+    assert [x["repair"] for x in adm.verdicts(a)] == [None, "native optimizer misconfigured"]
+    with pytest.raises(adm.AdmissionConsumed, match="one repair was used"):
+        scr.admitted_screen(a.id, runs, root=root, repair="again", log=io.StringIO())
+    assert len(adm.verdicts(a)) == 2 and len(adm.screens(a)) == 2
+
+
+def test_admitted_screen_refuses_a_changed_file(tmp_path):
+    root = tree(tmp_path / "repo")
+    a, _ = adm.admit(cfg_for(tmp_path), root=root)
+    (root / "creditlab" / "model.py").write_text("# changed\n")
+    with pytest.raises(adm.AdmissionMismatch, match=r"2/3 frozen files.*creditlab/model.py \(changed"):
+        scr.admitted_screen(a.id, tmp_path / "runs", root=root, log=io.StringIO())
+    assert adm.verdicts(a) == [] and adm.screens(a) == []
+
+
+def test_cli_screen_json(tmp_path, capsys):
+    code = cli.main(["screen", "--preset", "tiny", "--json", "--set", f"train.out_dir={tmp_path / 'runs'}",
+                     *[x for s in SMALL for x in ("--set", s)], "--set", "screen.ratio_gate=100"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["verdict"] == "pass" and out["admission"] is None
+    assert set(out) >= {"verdict", "ratio", "arms", "gates", "record_dir", "admission"}
+    assert set(out["arms"]) == {"native", "synthetic"}
+    for a in out["arms"].values():
+        assert a["updates"] == UPDATES and a["peak_mib"] is None and a["median_last2_s"] > 0
+    assert isinstance(out["ratio"], float) and Path(out["record_dir"]).is_dir()
