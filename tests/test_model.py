@@ -1,0 +1,239 @@
+"""The GPT: causality, precision, the 16 branches, value-embedding routing, trunk/head split, loss at init."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from creditlab import config
+from creditlab.flops import flop_budget
+from creditlab.model import GPT, norm
+
+SMALL = ["model.vocab_size=97", "model.width=32", "model.heads=2", "model.mlp_hidden=64", "model.seq_len=16",
+         "model.gate_dim=8", "model.layers=4", "model.value_embeds=2"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny shapes gain nothing from intra-op threads, and spinning threads crawl on shared cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def small_cfg(*extra: str):
+    return config.load("tiny", SMALL + list(extra)).model
+
+
+@torch.no_grad()
+def randomize(model: GPT, seed: int = 0) -> GPT:
+    """Random values for every parameter: the default zero-initialized projections and head would hide paths."""
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        r = torch.randn(p.shape, generator=g, dtype=torch.float64)
+        if p.ndim == 2:
+            r = r * p.shape[1] ** -0.5
+        else:
+            r = 0.5 + 0.5 * r  # scalars: around 0.5, not the trivial 1/0 defaults
+        p.copy_(r.to(p.dtype))
+    return model
+
+
+def logits64(model: GPT, idx: torch.Tensor) -> torch.Tensor:
+    """Soft-capped logits kept in the model's dtype (model.logits returns float32)."""
+    cap = model.cfg.logit_cap
+    z = model.head(norm(model.hidden(idx)))[..., :model.cfg.vocab_size]
+    return cap * torch.tanh(z / cap)
+
+
+def test_causal_changing_a_later_token_never_moves_earlier_logits():
+    cfg = small_cfg()
+    torch.manual_seed(0)
+    model = randomize(GPT(cfg).double())
+    T = cfg.seq_len
+    idx = torch.randint(0, cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        base = logits64(model, idx)
+        assert base.dtype == torch.float64 and base.shape == (2, T, cfg.vocab_size)
+        for t in range(T - 1):
+            changed = idx.clone()
+            changed[:, t + 1] = (changed[:, t + 1] + 1 + t) % cfg.vocab_size
+            out = logits64(model, changed)
+            # Positions <= t see only tokens <= t: identical to float64 rounding.
+            assert (out[:, :t + 1] - base[:, :t + 1]).abs().max().item() <= 1e-12, t
+            # The change itself must reach the positions that may see it (the check can fail).
+            assert (out[:, t + 1:] - base[:, t + 1:]).abs().max().item() > 1e-4, t
+
+
+def test_causality_check_detects_a_leak(monkeypatch):
+    """The same comparison on a non-causal variant of attention does flag earlier positions."""
+    cfg = small_cfg()
+    model = randomize(GPT(cfg).double())
+    idx = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len), generator=torch.Generator().manual_seed(2))
+    changed = idx.clone()
+    changed[:, 5] = (changed[:, 5] + 1) % cfg.vocab_size
+    real_sdpa = F.scaled_dot_product_attention
+
+    def leaky(q, k, v, is_causal=False, scale=None, **kw):
+        return real_sdpa(q, k, v, is_causal=False, scale=scale, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", leaky)
+    with torch.no_grad():
+        diff = (logits64(model, changed) - logits64(model, idx))[:, :5].abs().max().item()
+    assert diff > 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_runs_in_float32_and_float64(dtype):
+    cfg = small_cfg()
+    model = randomize(GPT(cfg)).to(dtype)
+    g = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
+    tgt = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
+    loss = model(idx, tgt, loss_chunk=7)
+    assert loss.dtype == dtype and loss.ndim == 0 and torch.isfinite(loss)
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.dtype == dtype, name
+        assert torch.isfinite(p.grad).all(), name
+    assert model.hidden(idx).dtype == dtype
+
+
+def test_float32_and_float64_agree():
+    cfg = small_cfg()
+    m64 = randomize(GPT(cfg)).double()
+    m32 = GPT(cfg)
+    m32.load_state_dict({k: v.float() for k, v in m64.state_dict().items()})
+    g = torch.Generator().manual_seed(4)
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
+    tgt = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
+    l64, l32 = m64(idx, tgt).item(), m32(idx, tgt).item()
+    assert l32 == pytest.approx(l64, rel=1e-5)
+
+
+def test_forward_loss_is_cross_entropy_of_the_logits_for_any_chunk():
+    cfg = small_cfg()
+    model = randomize(GPT(cfg).double())
+    g = torch.Generator().manual_seed(5)
+    idx = torch.randint(0, cfg.vocab_size, (3, cfg.seq_len), generator=g)
+    tgt = torch.randint(0, cfg.vocab_size, (3, cfg.seq_len), generator=g)
+    with torch.no_grad():
+        ref = F.cross_entropy(logits64(model, idx).flatten(0, 1), tgt.flatten()).item()
+        for chunk in (1, 5, 16, 48, 1000):
+            assert model(idx, tgt, loss_chunk=chunk).item() == pytest.approx(ref, rel=1e-12)
+        # model.logits (the evaluation path) agrees to float32 precision.
+        ev = model.logits(idx)
+        assert ev.shape == (3, cfg.seq_len, cfg.vocab_size)
+        torch.testing.assert_close(ev.double(), logits64(model, idx), rtol=1e-5, atol=1e-5)
+        assert ev.abs().max().item() <= cfg.logit_cap
+
+
+def test_seed_config_exposes_16_branches_without_allocating():
+    mcfg = config.load("seed").model
+    with torch.device("meta"):
+        model = GPT(mcfg)
+    assert all(p.is_meta for p in model.parameters())
+    names = model.branch_names()
+    assert len(names) == 16 == mcfg.branches
+    assert names == [f"layer{i}.{k}" for i in range(8) for k in ("attn", "mlp")]
+    mods = model.branch_modules()
+    assert len(mods) == 16
+    for b, lin in enumerate(mods):
+        blk = model.blocks[b // 2]
+        assert lin is (blk.attn.qkv if b % 2 == 0 else blk.mlp.fc)
+        assert tuple(lin.weight.shape) == ((3 * 512, 512) if b % 2 == 0 else (2048, 512))
+    # The hidden matrices are exactly the N_trunk of the FLOP accounting; the head is padded, FLOPs count V.
+    hidden = sum(blk.attn.qkv.weight.numel() + blk.attn.proj.weight.numel() + blk.mlp.fc.weight.numel()
+                 + blk.mlp.proj.weight.numel() for blk in model.blocks)
+    assert hidden == flop_budget(mcfg).n_trunk == 25_165_824
+    assert tuple(model.head.weight.shape) == (12_352, 512)
+    assert flop_budget(mcfg).n_head == 512 * 12_289
+
+
+def test_branch_names_at_small_width_with_eight_layers():
+    model = GPT(small_cfg("model.layers=8", "model.value_embeds=3"))
+    assert len(model.branch_names()) == 16 and len(model.branch_modules()) == 16
+    assert len(set(map(id, model.branch_modules()))) == 16
+
+
+def test_value_embedding_tables_map_to_first_and_last_layers():
+    model = GPT(small_cfg("model.layers=8", "model.value_embeds=3"))
+    assert len(model.value_embeds) == 3
+    assert model.value_embed_of_layer == [0, 1, 2, None, None, 0, 1, 2]
+    assert [blk.attn.value_mix is not None for blk in model.blocks] == [True] * 3 + [False] * 2 + [True] * 3
+    none = GPT(small_cfg("model.value_embeds=0"))
+    assert len(none.value_embeds) == 0 and all(blk.attn.value_mix is None for blk in none.blocks)
+
+
+def test_value_embeddings_feed_exactly_the_mapped_layers():
+    """Functional routing: with every layer's mix weight for its table at zero but one, only that table learns."""
+    cfg = small_cfg("model.layers=8", "model.value_embeds=3")
+    model = randomize(GPT(cfg).double())
+    g = torch.Generator().manual_seed(6)
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
+    tgt = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
+
+    def table_grads(open_layer):
+        with torch.no_grad():
+            for i, blk in enumerate(model.blocks):
+                if blk.attn.value_mix is not None:
+                    blk.attn.value_mix[1] = 0.7 if i == open_layer else 0.0
+        model.zero_grad(set_to_none=True)
+        model(idx, tgt).backward()
+        return [t.weight.grad.abs().sum().item() for t in model.value_embeds]
+
+    assert table_grads(None) == [0.0, 0.0, 0.0]
+    expected = {0: 0, 1: 1, 2: 2, 5: 0, 6: 1, 7: 2}
+    for layer, table in expected.items():
+        grads = table_grads(layer)
+        assert grads[table] > 0, (layer, grads)
+        assert all(v == 0.0 for j, v in enumerate(grads) if j != table), (layer, grads)
+
+
+def test_trunk_parameters_exclude_only_the_head():
+    model = GPT(small_cfg())
+    all_names = {n for n, _ in model.named_parameters()}
+    trunk = model.trunk_parameters()
+    trunk_names = [n for n, _ in trunk]
+    assert len(trunk_names) == len(set(trunk_names))
+    assert set(trunk_names) == all_names - {"head.weight"}
+    assert "head.weight" in all_names
+    params = dict(model.named_parameters())
+    assert all(p is params[n] for n, p in trunk)
+
+
+def test_every_parameter_gets_gradient_with_random_weights():
+    cfg = small_cfg()
+    model = randomize(GPT(cfg).double())
+    g = torch.Generator().manual_seed(7)
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
+    tgt = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
+    model(idx, tgt).backward()
+    for name, p in model.named_parameters():
+        assert p.grad.abs().sum().item() > 0, name
+
+
+def test_default_init_zeroes_head_and_output_projections():
+    model = GPT(small_cfg())
+    assert not model.head.weight.any()
+    for blk in model.blocks:
+        assert not blk.attn.proj.weight.any() and not blk.mlp.proj.weight.any()
+        assert blk.attn.qkv.weight.abs().sum() > 0 and blk.mlp.fc.weight.abs().sum() > 0
+    assert model.head.weight.shape[0] == 128  # V = 97 padded to a multiple of 64
+
+
+@pytest.mark.parametrize("dtype, rel", [(torch.float64, 1e-15), (torch.float32, 1e-6)])
+def test_zero_head_gives_loss_ln_vocab_at_init(dtype, rel):
+    cfg = small_cfg()  # V = 97, head padded to 128: the padding must take no probability
+    torch.manual_seed(8)
+    model = GPT(cfg).to(dtype)
+    g = torch.Generator().manual_seed(9)
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
+    tgt = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
+    loss = model(idx, tgt, loss_chunk=5).item()
+    assert loss == pytest.approx(math.log(97), rel=rel)
+    assert abs(loss - math.log(128)) > 0.2
