@@ -187,7 +187,7 @@ def test_dfa_injects_fixed_random_feedback_of_the_terminal_error():
 
 class _TrainerStub:
     def __init__(self, model, cfg):
-        self.model, self.cfg = model, cfg
+        self.model, self.cfg, self.ddp = model, cfg, None
         self.runtime = rt.resolve(cfg.train)
 
 
