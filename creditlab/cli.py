@@ -23,7 +23,8 @@ def load_config(args) -> config_mod.Config:
     return config_mod.load(args.preset, args.overrides)
 
 
-def print_config(cfg: config_mod.Config, stream=sys.stderr) -> None:
+def print_config(cfg: config_mod.Config, stream=None) -> None:
+    stream = stream or sys.stderr  # looked up at call time, so redirections see it
     print("resolved config:", file=stream)
     for section, values in cfg.to_dict().items():
         print(f"  [{section}] " + ", ".join(f"{k}={v}" for k, v in values.items()), file=stream)
@@ -35,6 +36,9 @@ def cmd_flops(args) -> int:
     from creditlab.flops import flop_budget
 
     cfg = load_config(args)
+    if cfg.credit.teacher_every == 1:
+        raise config_mod.ConfigError("credit.teacher_every=1 has no synthetic updates to save FLOPs on; "
+                                     "use >= 2 (or 0 for the default cycle of 4)")
     budget = flop_budget(cfg.model, cfg.credit.teacher_every or 4, cfg.screen.cycle_gate)
     if args.json:
         print(json.dumps(budget.to_json()))

@@ -210,7 +210,7 @@ def validate(cfg: Config) -> None:
         problems.append(f"model.gate_dim ({m.gate_dim}) exceeds model.width ({m.width})")
     if 2 * m.value_embeds > m.layers and m.value_embeds > 0:
         problems.append(f"model.value_embeds ({m.value_embeds}) tables need 2x as many layers (have {m.layers})")
-    for key in ("layers", "width", "heads", "mlp_hidden", "seq_len", "vocab_size"):
+    for key in ("layers", "width", "heads", "mlp_hidden", "seq_len", "vocab_size", "vocab_pad_multiple"):
         if getattr(m, key) < 1:
             problems.append(f"model.{key} must be positive")
     t = cfg.train

@@ -50,7 +50,7 @@ class Optimizers:
         total, warmup = self.cfg.updates, self.cfg.warmup
         if update < warmup:
             return (update + 1) / warmup
-        cooldown = int(self.cfg.cooldown_frac * total)
+        cooldown = round(self.cfg.cooldown_frac * total)
         if cooldown and update >= total - cooldown:
             return max(0.0, (total - update) / cooldown)
         return 1.0

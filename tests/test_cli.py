@@ -75,9 +75,6 @@ def test_print_config_lists_every_section_and_value():
     assert "vocab_size=97" in text and "layers=4" in text
 
 
-@pytest.mark.xfail(strict=True, reason="cli.print_config(cfg, stream=sys.stderr): the default is bound when "
-                   "creditlab.cli is imported, so the resolved config ignores a later redirection of sys.stderr "
-                   "(contextlib.redirect_stderr, pytest capsys) and goes to the import-time stream")
 def test_print_config_follows_the_current_stderr():
     buf = io.StringIO()
     with contextlib.redirect_stderr(buf):

@@ -157,8 +157,6 @@ def test_boundary_combinations_are_accepted():
     config.load("tiny", ["model.value_embeds=0", "model.layers=1"])  # no tables needs no layers
 
 
-@pytest.mark.xfail(strict=True, reason="config.validate does not check model.vocab_pad_multiple; 0 passes "
-                   "load() and ModelConfig.padded_vocab then divides by zero")
 def test_zero_vocab_pad_multiple_is_a_config_error():
     with pytest.raises(ConfigError):
         cfg = config.load("tiny", ["model.vocab_pad_multiple=0"])

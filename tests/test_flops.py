@@ -142,9 +142,6 @@ def test_cli_flops_as_a_subprocess():
     assert set(json.loads(proc.stdout)) == JSON_KEYS
 
 
-@pytest.mark.xfail(strict=True, reason="cli.cmd_flops passes credit.teacher_every=1 (a valid config) to "
-                   "flop_budget, which raises ValueError; main() only catches ConfigError, so the command "
-                   "dies with a traceback instead of a clear error and exit status 2")
 def test_cli_flops_with_one_in_one_teacher_is_a_clear_error(capsys):
     assert cli.main(["flops", "--preset", "seed", "--set", "credit.teacher_every=1"]) == 2
     assert "teacher_every" in capsys.readouterr().err

@@ -116,8 +116,6 @@ def test_schedule_full_cooldown():
     assert [opt.lr_scale(u) for u in range(10)] == pytest.approx([(10 - u) / 10 for u in range(10)])
 
 
-@pytest.mark.xfail(strict=True, reason="optim.Optimizers.lr_scale: int(cooldown_frac * total) truncates "
-                   "0.29 * 100 = 28.999999999999996 to 28, so the cooldown is one update short")
 def test_cooldown_length_is_the_rounded_fraction():
     opt = schedule(100, 0, 0.29)
     assert opt.lr_scale(71) == 1.0
