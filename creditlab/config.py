@@ -26,6 +26,7 @@ class ModelConfig:
     logit_cap: float = 15.0
     rope_base: float = 10_000.0
     vocab_pad_multiple: int = 64  # the head is padded for speed; FLOPs count the true vocabulary
+    recompute: bool = True  # redo norms, QK-norm/rotary and ReLU^2 in the backward instead of keeping them
 
     @property
     def head_dim(self) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from creditlab.config import ModelConfig
 from creditlab.loss import head_loss
@@ -22,6 +23,16 @@ def norm(x: torch.Tensor) -> torch.Tensor:
     """RMSNorm without weights, computed in float32 and returned in x's dtype (autocast would keep float32)."""
     x32 = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
     return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def relu_squared(h: torch.Tensor) -> torch.Tensor:
+    return F.relu(h).square()
+
+
+def recomputed(enabled: bool, fn, *args):
+    """fn(*args), recomputed in the backward instead of kept, when enabled. Only for cheap pointwise work
+    without side effects: the matmuls' outputs stay saved, the elementwise passes between them are redone."""
+    return checkpoint(fn, *args, use_reentrant=False) if enabled else fn(*args)
 
 
 class ExactCredit:
@@ -66,11 +77,15 @@ class Attention(nn.Module):
         # v <- a*v + b*ve: how much of this layer's value embedding to mix in.
         self.value_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if has_value_embed else None
         self.rotary = Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_base)
+        self.recompute = cfg.recompute
+
+    def qk_norm_rotary(self, q: torch.Tensor, k: torch.Tensor):
+        return self.rotary(norm(q)), self.rotary(norm(k))
 
     def forward(self, n: torch.Tensor, n_omit: torch.Tensor, ve: torch.Tensor | None) -> torch.Tensor:
         B, T, d = n.shape
         q, k, v = F.linear(n_omit, self.qkv.weight).view(B, T, 3, self.heads, self.head_dim).unbind(2)
-        q, k = self.rotary(norm(q)), self.rotary(norm(k))  # QK-norm, then rotary positions
+        q, k = recomputed(self.recompute, self.qk_norm_rotary, q, k)  # QK-norm, then rotary positions
         if ve is not None:
             v = self.value_mix[0] * v + self.value_mix[1] * ve.view_as(v)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -85,9 +100,10 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = nn.Linear(cfg.width, cfg.mlp_hidden, bias=False)  # the omitted input product: W_fc^T dH
         self.proj = nn.Linear(cfg.mlp_hidden, cfg.width, bias=False)
+        self.recompute = cfg.recompute
 
     def forward(self, n_omit: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.relu(self.fc(n_omit)).square())  # ReLU^2
+        return self.proj(recomputed(self.recompute, relu_squared, self.fc(n_omit)))
 
 
 class Block(nn.Module):
@@ -97,12 +113,13 @@ class Block(nn.Module):
         self.attn = Attention(cfg, has_value_embed)
         self.mlp = MLP(cfg)
         self.resid_mix = nn.Parameter(torch.tensor([1.0, 0.0]))  # x <- a*x + b*x0
+        self.recompute = cfg.recompute
 
     def forward(self, x, x0, ve, credit: ExactCredit):
         x = self.resid_mix[0] * x + self.resid_mix[1] * x0
-        n = norm(x)
+        n = recomputed(self.recompute, norm, x)
         x = x + self.attn(n, credit.branch(2 * self.index, n), ve)
-        n = norm(x)
+        n = recomputed(self.recompute, norm, x)
         x = x + self.mlp(credit.branch(2 * self.index + 1, n))
         return x
 
