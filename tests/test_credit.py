@@ -258,3 +258,44 @@ def test_learned_training_alternates_teacher_and_synthetic_and_checkpoints_the_p
     torch.testing.assert_close(other.source.predictor.decoders, trainer.source.predictor.decoders, rtol=0, atol=0)
     assert other.source.predictor.decoders.abs().max() > 0  # the fit moved the decoders, and they were saved
     assert other.update_index == 5 and other.loader.position == trainer.loader.position
+
+
+def test_fused_fit_gradient_equals_the_explicit_regression_gradient():
+    """The teacher's fit, computed inside the exact backward, is the gradient of
+    sum_b |c_hat_b - c_b|^2 / |c_b|^2 written out explicitly (float64), and leaves the model's gradients exact."""
+    cfg = load("tiny")
+    cfg.model = SMALL
+    model = checks.randomized_model(SMALL, 10)
+    source = LearnedSource(SMALL, CreditConfig(rank=4)).double()
+    with torch.no_grad():
+        source.predictor.decoders.normal_(0.0, 0.3)
+        source.predictor.mean_bias.fill_(0.3)
+    idx, targets = checks._batch(SMALL, 10)
+    teacher = Teacher(source.predictor, CreditConfig())
+    model.zero_grad(set_to_none=True)
+    teacher.teach(_TrainerStub(model, cfg), idx, targets, 1.0)
+    fused = {n: p.grad.clone() for n, p in source.predictor.named_parameters()}
+    teacher_model_grads = {n: p.grad.clone() for n, p in model.trunk_parameters()}
+
+    state = {"ns": []}
+
+    class Tap(RecordCredit):
+        def branch(self, index, n):
+            state["ns"].append(n.detach())
+            return super().branch(index, n)
+
+        def terminal(self, x):
+            state["x"] = x.detach()
+            x.register_hook(lambda g: state.setdefault("e", g.detach()))
+            return x
+
+    record = Tap(SMALL.branches)
+    native = checks._trunk_grads(model, idx, targets, record)
+    source.predictor.zero_grad(set_to_none=True)
+    predicted = decode_all(source.predictor, state["e"], state["x"], state["ns"])
+    sum((p - c).square().sum() / c.square().sum() for p, c in zip(predicted, record.corrections)).backward()
+    for name, p in source.predictor.named_parameters():
+        torch.testing.assert_close(fused[name], p.grad, rtol=1e-10, atol=1e-14)
+    assert max(checks._rel_errors(teacher_model_grads, native).values()) <= 1e-12
+    summary = teacher.summarize()
+    assert len(summary["fit_branches"]) == SMALL.branches and summary["fit_error"] > 0

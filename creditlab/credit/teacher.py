@@ -1,10 +1,17 @@
 """Teacher acquisition: on an exact update, fit the predictor to the true corrections as they stream past.
 
-The teacher update is ordinary exact backprop. Hooks see the terminal error when the backward leaves the
-head, and each branch's true correction when the backward reaches that branch; the predictor's regression
-loss for that branch (normalized squared error) is differentiated right there and its gradient accumulated,
-so no step holds more than one true correction. The part of the gradient that flows back through the shared
-code [p ; m] is summed in code space (B, T, 2r) and pushed through the projection once, after the backward.
+The teacher update is ordinary exact backprop with a fit riding inside its one backward pass, with no hooks,
+so it compiles like any other step:
+
+* each branch input passes `_FitBranch`, the identity on n_b that also emits a zero-valued code slot s_b
+  (B, T, 2r) feeding the learned source's terminal adjoint. In the backward, the gradient arriving at the
+  omitted product's input is the true correction c_b, and the gradient arriving at s_b is the code
+  [p ; m] of the terminal error (the adjoint sends it there). `_FitBranch.backward` passes c_b on unchanged
+  and, in the same breath, computes the regression loss's gradient for that branch: the normalized squared
+  error |D_b (g_b * code) - c_b|^2 / |c_b|^2, analytically, into G_b, D_b and the code. No step holds more
+  than the one true correction of the branch being fitted.
+* the code's gradient, summed over branches in code space (B, T, 2r), is pushed through [p ; m] into the
+  projection and the mean gate once, after the backward, from the terminal error captured at the tap.
 """
 
 from __future__ import annotations
@@ -13,65 +20,64 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from creditlab.config import CreditConfig
+from creditlab.credit.sources import zero_valued
 from creditlab.model import ExactCredit
+
+STATS = ("weighted_sq_error", "pred_dot_true", "pred_sq", "true_sq")
+
+
+class _FitBranch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, n, gate_weight, decoder, code_sink, stats_sink, scale: float):
+        gate = torch.sigmoid(n @ gate_weight.to(n.dtype).t())  # (B, T, 2r), a forward state
+        ctx.save_for_backward(n, gate, decoder)
+        ctx.scale = scale
+        return n.view_as(n), n.new_zeros(gate.shape)
+
+    @staticmethod
+    def backward(ctx, true, code):
+        n, gate, decoder = ctx.saved_tensors
+        acc = torch.promote_types(true.dtype, torch.float32)
+        c, code, g, D = true.to(acc), code.to(acc), gate.to(acc), decoder.to(acc)
+        gated = g * code  # (B, T, 2r)
+        predicted = gated @ D.t()  # (B, T, d)
+        residual = predicted - c
+        true_sq = c.square().sum()
+        # A branch whose true correction is exactly zero (zero-initialized projections) teaches nothing.
+        weight = torch.where(true_sq > 0, 1.0 / true_sq.clamp_min(1e-300), torch.zeros_like(true_sq))
+        d_pred = (2.0 * ctx.scale) * weight * residual  # d(scale * loss)/d(prediction)
+        d_decoder = d_pred.flatten(0, 1).t() @ gated.flatten(0, 1)  # (d, 2r)
+        d_gated = d_pred @ D  # (B, T, 2r)
+        d_gate_pre = d_gated * code * g * (1.0 - g)
+        d_gate_weight = d_gate_pre.flatten(0, 1).t() @ n.to(acc).flatten(0, 1)  # (2r, d)
+        stats = torch.stack([residual.square().sum() * weight, (predicted * c).sum(), predicted.square().sum(),
+                             true_sq])
+        return (true, d_gate_weight.to(decoder.dtype), d_decoder.to(decoder.dtype), d_gated * g, stats, None)
 
 
 class FitCredit(ExactCredit):
-    """Exact backprop with the hooks that fit a predictor on the fly."""
+    """Exact backprop that fits the learned predictor on the fly (see the module docstring)."""
 
-    def __init__(self, teacher: "Teacher", scale: float):
-        self.teacher, self.scale = teacher, scale
-        self.branch_inputs: dict[int, torch.Tensor] = {}
+    def __init__(self, predictor, scale: float, code_sink: torch.Tensor, stats_sink: torch.Tensor,
+                 error_probe: torch.Tensor):
+        self.predictor, self.scale = predictor, scale
+        self.code_sink, self.stats_sink, self.error_probe = code_sink, stats_sink, error_probe
+        self.total = None
         self.x_terminal = None
-        self.code = None  # [p ; m] for this micro-batch's terminal error, a leaf
-        self.code_grad = None
 
     def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
-        self.branch_inputs[index] = n.detach()
-        n_omit = n.view_as(n)  # its gradient is the true correction: the omitted product's alone
-        n_omit.register_hook(lambda grad: self._on_correction(index, grad))
+        p = self.predictor
+        n_omit, slot = _FitBranch.apply(n, p.state_gates[index], p.decoders[index], self.code_sink,
+                                        self.stats_sink[index], self.scale)
+        self.total = slot if self.total is None else self.total + slot
         return n_omit
 
     def terminal(self, x: torch.Tensor) -> torch.Tensor:
         self.x_terminal = x.detach()
-        x.register_hook(self._on_terminal_error)
-        return x
-
-    def _on_terminal_error(self, e: torch.Tensor) -> None:
-        self.e = e.detach()
-        predictor = self.teacher.predictor
-        with torch.no_grad():
-            a, a_rev = predictor.mean_weights(self.x_terminal.float())
-            self.code = predictor.code(self.e.float(), a, a_rev)
-        self.code_grad = torch.zeros_like(self.code)
-
-    def _on_correction(self, index: int, true: torch.Tensor) -> None:
-        predictor = self.teacher.predictor
-        n = self.branch_inputs.pop(index).float()
-        true = true.detach().float()
-        with torch.enable_grad():
-            code = self.code.detach().requires_grad_(True)
-            predicted = predictor.decode(index, code, predictor.gate(index, n))
-            denom = true.square().sum().clamp_min(1e-30)
-            error = (predicted - true).square().sum() / denom
-            params = [predictor.state_gates, predictor.decoders]
-            grads = torch.autograd.grad(error * self.scale, params + [code])
-        for p, g in zip(params, grads[:2]):
-            p.grad = g if p.grad is None else p.grad + g
-        self.code_grad += grads[2]
-        cosine = F.cosine_similarity(predicted.detach().flatten(), true.flatten(), dim=0).item()
-        self.teacher.record(index, error.item(), cosine)
-
-    def push_code_gradient(self) -> None:
-        """Send the code-space gradient through [p ; m] into the projection and the mean gate."""
-        predictor = self.teacher.predictor
-        with torch.enable_grad():
-            a, a_rev = predictor.mean_weights(self.x_terminal.float())
-            code = predictor.code(self.e.float(), a, a_rev)
-            code.backward(self.code_grad)
+        z = self.predictor.terminal_adjoint(self.total, x)  # sends the code [p ; m] to every slot
+        return x + zero_valued(z).to(x.dtype) + self.error_probe.to(x.dtype)  # the probe's gradient is e
 
 
 class Teacher:
@@ -80,39 +86,49 @@ class Teacher:
     def __init__(self, predictor, cfg: CreditConfig):
         self.predictor = predictor
         self.optimizer = torch.optim.Adam(predictor.parameters(), lr=cfg.predictor_lr, betas=(0.9, 0.99))
-        self.metrics: dict[int, list[tuple[float, float]]] = {}
-
-    def record(self, branch: int, error: float, cosine: float) -> None:
-        self.metrics.setdefault(branch, []).append((error, cosine))
+        self.stats: list[torch.Tensor] = []
 
     def teach(self, trainer, inputs: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
         """One exact micro-batch (gradients accumulate into the model) that also fits the predictor."""
-        credit = FitCredit(self, scale)
-        model = trainer.ddp or trainer.model  # eager: the fit's hooks would break compiled graphs
+        p = self.predictor
+        B, T = inputs.shape
+        dtype = p.decoders.dtype
+        sinks = dict(device=inputs.device, dtype=dtype, requires_grad=True)
+        code_sink = torch.zeros(B, T, 2 * p.rank, **sinks)
+        stats_sink = torch.zeros(p.decoders.shape[0], len(STATS), **sinks)
+        error_probe = torch.zeros(B, T, p.decoders.shape[1], **sinks)
+        credit = FitCredit(p, scale, code_sink, stats_sink, error_probe)
+        forward = getattr(trainer, "_forward", None) or trainer.ddp or trainer.model
         with trainer.runtime.autocast():
-            loss = model(inputs, targets, credit=credit, loss_chunk=trainer.cfg.train.loss_chunk)
+            loss = forward(inputs, targets, credit=credit, loss_chunk=trainer.cfg.train.loss_chunk)
         (loss * scale).backward()
-        missing = sorted(credit.branch_inputs)
-        if missing or credit.code is None:
-            raise RuntimeError(f"teacher backward did not reach branches {missing}: the fit is incomplete")
-        credit.push_code_gradient()
+        if code_sink.grad is None or error_probe.grad is None:
+            raise RuntimeError("the teacher's backward did not reach the tap and the branches: no fit")
+        with torch.enable_grad():  # the code's share of the fit gradient, into P and the mean gate
+            a, a_rev = p.mean_weights(credit.x_terminal.to(dtype))
+            p.code(error_probe.grad, a, a_rev).backward(code_sink.grad.to(dtype))
+        self.stats.append(stats_sink.grad.detach())
         return loss.detach()
 
     def step(self) -> dict:
-        """Apply the accumulated fit gradient; return per-branch mean normalized error and cosine."""
+        """Apply the accumulated fit gradient; return per-branch normalized error and cosine."""
         if dist.is_available() and dist.is_initialized():  # every rank fits the same predictor
             for p in self.predictor.parameters():
                 if p.grad is not None:
                     dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        summary = {b: (sum(e for e, _ in v) / len(v), sum(c for _, c in v) / len(v))
-                   for b, v in sorted(self.metrics.items())}
-        self.metrics = {}
-        errors = [e for e, _ in summary.values()]
-        return {"fit_error": sum(errors) / len(errors) if errors else math.nan,
-                "fit_cosine": sum(c for _, c in summary.values()) / max(len(summary), 1),
-                "fit_branches": {str(b): {"error": e, "cosine": c} for b, (e, c) in summary.items()}}
+        return self.summarize()
+
+    def summarize(self) -> dict:
+        if not self.stats:
+            return {"fit_error": math.nan, "fit_cosine": math.nan, "fit_branches": {}}
+        s = torch.stack(self.stats).double().cpu()  # (micro-batches, branches, len(STATS))
+        self.stats = []
+        error = s[..., 0].mean(0)  # normalized squared error, averaged over micro-batches
+        cosine = s[..., 1].sum(0) / (s[..., 2].sum(0) * s[..., 3].sum(0)).sqrt().clamp_min(1e-300)
+        branches = {str(b): {"error": float(error[b]), "cosine": float(cosine[b])} for b in range(s.shape[1])}
+        return {"fit_error": float(error.mean()), "fit_cosine": float(cosine.mean()), "fit_branches": branches}
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict()}
