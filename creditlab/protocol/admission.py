@@ -146,7 +146,8 @@ def admit(cfg: Config, out_dir: str | os.PathLike | None = None, root: str | os.
 
     root = Path(root) if root is not None else package_root()
     payloads = _payloads(cfg, root)
-    files = [FrozenFile(path, role, hashlib.sha256(data).hexdigest()) for path, (role, data) in sorted(payloads.items())]
+    files = [FrozenFile(path, role, hashlib.sha256(data).hexdigest())
+             for path, (role, data) in sorted(payloads.items())]
     ident = admission_id(files)
     base = Path(out_dir if out_dir is not None else cfg.train.out_dir) / ADMISSIONS
     final = base / ident

@@ -104,7 +104,11 @@ def cmd_screen(args) -> int:
     print(f"screen {result['run_id']} ({result['mode']}"
           + (f", admission {result['admission'][:16]}" if result["admission"] else "")
           + (f", stand-in source {result['synthetic_source']}" if result["stand_in"] else "") + f"): {label}")
-    for name, arm in arms.items():
+    for name in ("native", "synthetic"):
+        if name not in arms:
+            print(f"  {name:<9} not run")
+            continue
+        arm = arms[name]
         key = next(k for k in arm if k.startswith("median_last"))
         median = "–" if arm[key] is None else f"{arm[key]:.4f} s"
         peak = "n/a" if arm["peak_mib"] is None else f"{arm['peak_mib']:,.1f} MiB"

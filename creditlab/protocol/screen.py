@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import gc
 import hashlib
+import os
 import pickle
 import sys
 import time
@@ -37,7 +38,7 @@ import torch
 from creditlab import config as config_mod
 from creditlab.config import Config
 from creditlab.protocol import admission as adm_mod
-from creditlab.protocol.gates import EXIT_ERROR, EXIT_INVALID, ArmSummary, Decision, Gates, decide
+from creditlab.protocol.gates import EXIT_ERROR, EXIT_INVALID, ArmSummary, Gates, decide
 from creditlab.protocol.records import append_jsonl, copy_once, new_record_dir, write_bytes_once, write_once
 
 ARMS = ("native", "synthetic")
@@ -163,6 +164,8 @@ def preflight(cfg: Config, synthetic_source: str) -> None:
 
     if cfg.screen.updates < 1 or cfg.screen.window < 1:
         raise ScreenRefused("screen.updates and screen.window must be positive")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ScreenRefused("the screen runs its two arms in one process on one device; start it without torchrun")
     if synthetic_source == "exact":
         raise ScreenRefused("the synthetic arm needs a source that omits the 16 products, not exact")
     try:
@@ -294,7 +297,10 @@ class _Screen:
         rec.memory_history = runtime.is_cuda and arm == "synthetic" and self.history_entries > 0
         model = trainer = recorder = None
         if rec.memory_history:
-            torch.cuda.memory._record_memory_history(max_entries=self.history_entries)
+            # Stack traces of allocations only: recording them for frees too (context="all") made eager
+            # backward passes fail inside the autograd engine (SystemError, torch 2.11 on an H200).
+            torch.cuda.memory._record_memory_history("all", context="alloc", stacks="all",
+                                                     max_entries=self.history_entries)
         try:
             torch.manual_seed(self.cfg.screen.seed)
             model = build_model(cfg, runtime, seed=self.cfg.screen.seed)

@@ -33,6 +33,17 @@ def _gate_row(gate: dict) -> str:
             f"{gate['note']} |")
 
 
+def _allocator(fig: dict | None) -> str:
+    if not fig:
+        return "n/a (no GPU)"
+    mib = lambda key: _num(fig.get(key), "{:,.1f} MiB")  # noqa: E731
+    return (f"allocated {mib('allocated_mib.all.current')} (peak {mib('allocated_mib.all.peak')}), reserved "
+            f"{mib('reserved_mib.all.current')} (peak {mib('reserved_mib.all.peak')}), inactive split "
+            f"{mib('inactive_split_mib.all.current')}, device free {mib('free_mib')} of {mib('total_mib')}, "
+            f"{fig.get('num_alloc_retries')} allocation retries, {fig.get('num_ooms')} out-of-memory events "
+            "(all figures in result.json)")
+
+
 def report_markdown(result: dict, decision: Decision | None) -> str:
     env = result.get("environment") or {}
     title = WORDS.get(result.get("verdict"), "no verdict")
@@ -67,6 +78,9 @@ def report_markdown(result: dict, decision: Decision | None) -> str:
     lines.append(f"Arms: native (credit.source=exact) and synthetic (credit.source={result['synthetic_source']}, "
                  f"teacher_every=0, no fitting); seed {result['seed']}; micro {shape['micro_batch']} x T "
                  f"{shape['seq_len']} x GA {shape['grad_accum']}; {result['updates']} updates each."
+                 + (" On CUDA the synthetic arm records allocator history (allocation stack traces) so that an "
+                    "out-of-memory error leaves a memory snapshot; the native arm does not."
+                    if any(a.get("memory_history") for a in arms.values()) else "")
                  + (f" Identical initialization: state-dict SHA256 `{str(init.get('sha256'))[:16]}` in every arm "
                     f"({'equal' if init.get('match') else 'NOT equal'})." if init else "")
                  + (f" Identical TRAIN inputs: {inputs.get('compared')} micro-batches compared by SHA256 "
@@ -87,7 +101,7 @@ def report_markdown(result: dict, decision: Decision | None) -> str:
             lines += ["", f"Out of memory in the {name} arm at update {oom['update'] + 1} (micro-batch "
                           f"{oom['micro_batch']}), {oom['occupied_s']:,.1f} s into the screen; {oom['type']}:",
                       "", "```", oom["message"].strip(), "```", "",
-                      f"Allocator: {oom['allocator'] if oom['allocator'] else 'n/a (no GPU)'}. Memory snapshot: "
+                      f"Allocator: {_allocator(oom['allocator'])}. Memory snapshot: "
                       f"`{oom['snapshot']}` (history {'recorded' if oom['memory_history'] else 'not recorded'}). "
                       f"Traceback: `{oom['traceback']}`."]
     lines.append("")
