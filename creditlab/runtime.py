@@ -88,6 +88,8 @@ def maybe_compile(fn, runtime: Runtime, activation_budget: float = 1.0):
     def call(*args, **kwargs):
         try:
             return state["fn"](*args, **kwargs)
+        except torch.OutOfMemoryError:
+            raise  # running out of memory is a result (a capacity miss), not a compiler failure
         except Exception as exc:  # noqa: BLE001 - any compiler failure falls back, loudly
             if state["fn"] is fn:
                 raise
