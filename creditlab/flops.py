@@ -7,7 +7,7 @@ layer and target, the input products of Q/K/V and of the MLP expansion: 2*d*3d +
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from creditlab.config import ModelConfig
 

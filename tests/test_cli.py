@@ -10,21 +10,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from creditlab import cli, config
 
 TRAIN = ["train", "--preset", "tiny", "--set", "train.updates=3", "--set", "model.vocab_size=97",
          "--set", "train.device=cpu"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny shapes gain nothing from intra-op threads, and spinning threads crawl on shared cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_train_tiny_without_record(tmp_path, monkeypatch, capsys):

@@ -191,30 +191,34 @@ class _TrainerStub:
         self.runtime = rt.resolve(cfg.train)
 
 
+def _record_with_states(model, idx, targets):
+    """An exact pass that records the true corrections, the terminal error and the predictor's forward states."""
+    state = {"ns": []}
+
+    class Tap(RecordCredit):
+        def branch(self, index, n):
+            state["ns"].append(n.detach())
+            return super().branch(index, n)
+
+        def terminal(self, x):
+            state["x"] = x.detach()
+            x.register_hook(lambda g: state.setdefault("e", g.detach()))
+            return x
+
+    record = Tap(model.cfg.branches)
+    grads = checks._trunk_grads(model, idx, targets, record)
+    return record.corrections, state["e"], state["x"], state["ns"], grads
+
+
 def _heldout_error(model, predictor, loader, positions) -> torch.Tensor:
     """Mean normalized squared error of the predicted corrections per branch on held-out batches."""
     errs = []
     for position in positions:
         batch = loader.batch_at(position)
-        state = {"ns": []}
-
-        class Tap(RecordCredit):
-            def branch(self, index, n):
-                state["ns"].append(n.detach())
-                return super().branch(index, n)
-
-            def terminal(self, x):
-                state["x"] = x.detach()
-                x.register_hook(lambda g: state.setdefault("e", g.detach()))
-                return x
-
-        rec = Tap(model.cfg.branches)
-        model.zero_grad(set_to_none=True)
-        model(batch[:, :-1], batch[:, 1:], credit=rec).backward()
+        corrections, e, x, ns, _ = _record_with_states(model, batch[:, :-1], batch[:, 1:])
         with torch.no_grad():
-            predicted = decode_all(predictor, state["e"], state["x"], state["ns"])
-        errs.append(torch.stack([(p - c).square().sum() / c.square().sum()
-                                 for p, c in zip(predicted, rec.corrections)]))
+            predicted = decode_all(predictor, e, x, ns)
+        errs.append(torch.stack([(p - c).square().sum() / c.square().sum() for p, c in zip(predicted, corrections)]))
     return torch.stack(errs).mean(0)
 
 
@@ -277,23 +281,10 @@ def test_fused_fit_gradient_equals_the_explicit_regression_gradient():
     fused = {n: p.grad.clone() for n, p in source.predictor.named_parameters()}
     teacher_model_grads = {n: p.grad.clone() for n, p in model.trunk_parameters()}
 
-    state = {"ns": []}
-
-    class Tap(RecordCredit):
-        def branch(self, index, n):
-            state["ns"].append(n.detach())
-            return super().branch(index, n)
-
-        def terminal(self, x):
-            state["x"] = x.detach()
-            x.register_hook(lambda g: state.setdefault("e", g.detach()))
-            return x
-
-    record = Tap(SMALL.branches)
-    native = checks._trunk_grads(model, idx, targets, record)
+    corrections, e, x, ns, native = _record_with_states(model, idx, targets)
     source.predictor.zero_grad(set_to_none=True)
-    predicted = decode_all(source.predictor, state["e"], state["x"], state["ns"])
-    sum((p - c).square().sum() / c.square().sum() for p, c in zip(predicted, record.corrections)).backward()
+    predicted = decode_all(source.predictor, e, x, ns)
+    sum((p - c).square().sum() / c.square().sum() for p, c in zip(predicted, corrections)).backward()
     for name, p in source.predictor.named_parameters():
         torch.testing.assert_close(fused[name], p.grad, rtol=1e-10, atol=1e-14)
     assert max(checks._rel_errors(teacher_model_grads, native).values()) <= 1e-12

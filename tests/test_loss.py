@@ -9,15 +9,6 @@ from hypothesis import given, settings, strategies as st
 from creditlab.loss import head_loss, reference_head_loss
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny shapes gain nothing from intra-op threads, and spinning threads crawl on shared cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     scale = b.norm().item()
     return (a - b).norm().item() / (scale if scale > 0 else 1.0)

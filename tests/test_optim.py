@@ -13,15 +13,6 @@ SMALL = ["model.vocab_size=97", "model.width=32", "model.heads=2", "model.mlp_hi
          "model.gate_dim=8", "model.layers=6", "model.value_embeds=2"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny shapes gain nothing from intra-op threads, and spinning threads crawl on shared cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def small_model():
     torch.manual_seed(0)
     return GPT(config.load("tiny", SMALL).model)

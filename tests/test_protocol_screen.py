@@ -23,15 +23,6 @@ SMALL = ["credit.source=zero", f"screen.updates={UPDATES}", "screen.window=2", "
          "train.grad_accum=2", "model.seq_len=32", "train.warmup=0"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These tests time nothing; one thread keeps them fast on a CPU shared with other work."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def cfg_for(tmp_path, *overrides):
     return config.load("tiny", [f"train.out_dir={tmp_path / 'runs'}", *SMALL, *overrides])
 

@@ -16,16 +16,6 @@ CPU = ["train.device=cpu", "train.compile=off"]
 TINY = ["model.vocab_size=97", "model.seq_len=32", "train.micro_batch=8", "train.grad_accum=1"] + CPU
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny shapes gain nothing from intra-op threads, and two spinning threads slow to a crawl when another
-    process shares the two cores; one thread keeps these runs at a second or two either way."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 class FixedLoader:
     """A loader whose next() always returns the same batch."""
 
