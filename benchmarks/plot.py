@@ -1,0 +1,92 @@
+"""Figures of the committed GPU results: per-arm time and memory, and the screens' per-update rows.
+
+    python benchmarks/plot.py [--out benchmarks]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+def plot_arms(arms_json: Path, out: Path) -> Path:
+    data = json.loads(arms_json.read_text())
+    results = [r for r in data["results"] if "oom" not in r]
+    names = [r["arm"] for r in results]
+    native = results[0]["median_last6_s"]
+    ratios = [r["median_last6_s"] / native for r in results]
+    peaks = [r["peak_allocated_mib"] for r in results]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    ax1.barh(names, ratios, color="#4c72b0")
+    ax1.axvline(0.9066667, color="#c44e52", ls="--", label="screen gate 0.9067")
+    ax1.axvline(1.0, color="grey", lw=0.8)
+    ax1.set_xlabel("s/update relative to native (last-six medians)")
+    right = 1.12
+    ax1.set_xlim(0.85, right)
+    ax1.legend(loc="upper right", fontsize=8)
+    for y, r in enumerate(ratios):
+        label = f"{r:.3f}" if r <= right else f"{r:.2f} (off scale)"
+        ax1.text(min(r, right - 0.06), y, label, va="center", fontsize=8)
+    ax2.barh(names, peaks, color="#55a868")
+    ax2.axvline(23_400, color="#c44e52", ls="--", label="peak gate 23,400 MiB")
+    ax2.axvline(21_301, color="#8172b2", ls=":", label="seed native 21,301 MiB")
+    ax2.set_xlabel("peak allocated MiB")
+    ax2.legend(loc="lower right", fontsize=8)
+    ax2.set_yticklabels([])
+    gpu = data["meta"]["env"].get("gpu")
+    fig.suptitle(f"Seed preset, micro 64 x T 2048 x GA 4, {data['meta']['updates']} updates per arm, {gpu} "
+                 "(before pointwise recomputation; eager teacher)", fontsize=10)
+    fig.tight_layout()
+    path = out / "arms_seed.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_screens(records: Path, out: Path) -> Path:
+    screens = sorted(p for p in records.iterdir() if (p / "rows.jsonl").exists())
+    fig, axes = plt.subplots(1, len(screens), figsize=(4.2 * len(screens), 3.6), sharey=True)
+    for ax, folder in zip(axes, screens):
+        rows = [json.loads(line) for line in (folder / "rows.jsonl").read_text().splitlines() if line.strip()]
+        config = json.loads((folder / "config.json").read_text())
+        result = json.loads((folder / "result.json").read_text())
+        for arm, color in (("native", "#4c72b0"), ("synthetic", "#dd8452")):
+            arm_rows = [r for r in rows if r.get("arm") == arm]
+            if arm_rows:
+                ax.plot([r["update"] + 1 for r in arm_rows], [r["seconds"] for r in arm_rows], "o-", ms=3,
+                        color=color, label=f"{arm} (peak {max(r['peak_allocated_mib'] for r in arm_rows):,.0f} MiB)")
+        cap = config["screen"]["memory_cap_mib"]
+        kind = "materialized" if config["credit"]["materialized"] else "streaming"
+        ax.set_title(f"{'cap ' + format(cap, ',.0f') + ' MiB' if cap else 'no cap'}, {kind}\n"
+                     f"verdict: {result['verdict']}", fontsize=9)
+        ax.set_xlabel("update")
+        ax.set_ylim(0.3, 0.4)
+        ax.legend(fontsize=7, loc="upper right")
+    axes[0].set_ylabel("s/update (first update: compilation, off scale)")
+    fig.tight_layout()
+    path = out / "screen_seed.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(HERE), help="output folder")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(plot_arms(HERE / "results" / "arms_credit_seed.json", out))
+    print(plot_screens(HERE / "screen_records", out))
+
+
+if __name__ == "__main__":
+    main()
