@@ -191,5 +191,6 @@ class GPT(nn.Module):
 
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
         """Soft-capped logits over the true vocabulary (B, T, V): for evaluation and tests, not training."""
-        z = self.head(norm(self.hidden(idx)))[..., :self.cfg.vocab_size].float()
+        z = self.head(norm(self.hidden(idx)))[..., :self.cfg.vocab_size]
+        z = z.to(torch.promote_types(z.dtype, torch.float32))
         return self.cfg.logit_cap * torch.tanh(z / self.cfg.logit_cap)
