@@ -114,6 +114,8 @@ def cmd_train(args) -> int:
               "peak_allocated_mib": max((r.peak_allocated_mib or 0.0) for r in rows) or None}
     if record:
         write_once(record / "result.json", result)
+        from creditlab.report import report
+        report([record])
     if runtime.is_main:
         print(json.dumps(result) if args.json else
               f"done: loss {result['first_loss']:.4f} -> {result['final_loss']:.4f} over {len(rows)} updates")
@@ -159,8 +161,9 @@ def _extensions():
     except ImportError:
         pass
     from creditlab.demo import add_commands as demo_commands
+    from creditlab.report import add_commands as report_commands
 
-    registers.append(demo_commands)
+    registers += [demo_commands, report_commands]
     from creditlab.protocol.cli import add_commands as protocol_commands  # admit, screen
 
     registers.append(protocol_commands)

@@ -8,6 +8,7 @@ and runs an exploratory resource screen.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from creditlab import cli
 
@@ -18,6 +19,7 @@ def _banner(text: str) -> None:
 
 def cmd_demo(args) -> int:
     start = time.time()
+    runs = f"runs/demo-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
     steps = [
         ("data: prepare the built-in prose corpus (cached)", ["data", "prepare", "--source", "pack:prose",
                                                               "--out", args.data]),
@@ -25,10 +27,11 @@ def cmd_demo(args) -> int:
         ("check: float64 interface checks of the credit path", ["check", "--preset", "tiny", "--seeds", "0"]),
         ("train: tiny model, exact backprop, on the corpus",
          ["train", "--preset", "tiny", "--set", "data.source=shards", "--set", f"data.dir={args.data}",
-          "--set", f"train.updates={args.updates}"]),
+          "--set", f"train.updates={args.updates}", "--set", f"train.out_dir={runs}"]),
         ("train: tiny model, learned credit with one exact teacher update in four",
          ["train", "--preset", "tiny", "--set", "data.source=shards", "--set", f"data.dir={args.data}",
-          "--set", f"train.updates={args.updates}", "--set", "credit.source=learned"]),
+          "--set", f"train.updates={args.updates}", "--set", "credit.source=learned",
+          "--set", f"train.out_dir={runs}"]),
         ("screen: exploratory two-arm resource screen (native vs learned, zero decoders)",
          ["screen", "--preset", "tiny", "--set", "data.source=shards", "--set", f"data.dir={args.data}"]),
     ]
@@ -42,7 +45,11 @@ def cmd_demo(args) -> int:
         if code not in (0,) and argv[0] != "screen":  # a screen's verdict is a result, not a failure
             print(f"demo: step '{' '.join(argv)}' exited with {code}")
             return code
-    print(f"\ndemo finished in {time.time() - start:.0f} s; records are under runs/")
+    trained = sorted(str(p) for p in Path(runs).glob("*-train-*"))
+    if len(trained) > 1:
+        _banner("report: the two training runs side by side")
+        cli.main(["report", *trained, "--out", runs])
+    print(f"\ndemo finished in {time.time() - start:.0f} s; records are under runs/, the comparison in {runs}/")
     return 0
 
 

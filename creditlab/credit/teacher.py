@@ -125,10 +125,14 @@ class Teacher:
             return {"fit_error": math.nan, "fit_cosine": math.nan, "fit_branches": {}}
         s = torch.stack(self.stats).double().cpu()  # (micro-batches, branches, len(STATS))
         self.stats = []
-        error = s[..., 0].mean(0)  # normalized squared error, averaged over micro-batches
-        cosine = s[..., 1].sum(0) / (s[..., 2].sum(0) * s[..., 3].sum(0)).sqrt().clamp_min(1e-300)
+        signal = s[..., 3] > 0  # micro-batches whose true correction was not exactly zero
+        count = signal.sum(0)
+        error = torch.where(count > 0, (s[..., 0] * signal).sum(0) / count.clamp_min(1), float("nan"))
+        cosine = torch.where(count > 0, s[..., 1].sum(0) / (s[..., 2].sum(0) * s[..., 3].sum(0)).sqrt().clamp_min(
+            1e-300), float("nan"))
         branches = {str(b): {"error": float(error[b]), "cosine": float(cosine[b])} for b in range(s.shape[1])}
-        return {"fit_error": float(error.mean()), "fit_cosine": float(cosine.mean()), "fit_branches": branches}
+        # NaN when no branch had a non-zero true correction (zero-initialized projections): nothing to fit yet.
+        return {"fit_error": float(error.nanmean()), "fit_cosine": float(cosine.nanmean()), "fit_branches": branches}
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict()}
