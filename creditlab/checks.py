@@ -21,7 +21,7 @@ import torch
 from creditlab.config import CreditConfig, ModelConfig
 from creditlab.credit.predictor import LearnedSource, Predictor, StateCredit, decode_all
 from creditlab.credit.sources import InjectCredit, OracleSource, RecordCredit, ZeroSource
-from creditlab.model import GPT
+from creditlab.model import GPT, ExactCredit
 
 TOLERANCE = 1e-10
 
@@ -115,8 +115,8 @@ def upstream_groups(model: GPT, idx, branch: int) -> set[str]:
     return {name for name, g in zip(names, grads) if g is not None and g.abs().max() > 0}
 
 
-class _KeepGraph(StateCredit):
-    """Like StateCredit, but keeps branch inputs attached to the graph."""
+class _KeepGraph(ExactCredit):
+    """Exact, and keeps the branch inputs attached to the graph (to differentiate them)."""
 
     def __init__(self, state: StateCredit):
         self.state = state
@@ -124,9 +124,6 @@ class _KeepGraph(StateCredit):
     def branch(self, index, n):
         self.state.branch_inputs.append(n)
         return n
-
-    def terminal(self, x):
-        return x
 
 
 def _learned_setup(cfg: ModelConfig, seed: int, rank: int = 4):

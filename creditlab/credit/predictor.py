@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from creditlab.config import CreditConfig, ModelConfig
-from creditlab.credit.sources import AdjointCredit, CreditSource, OmitCredit, RecordCredit, zero_valued
+from creditlab.credit.sources import AdjointCredit, CreditSource, OmitCredit
 from creditlab.model import ExactCredit, norm
 
 
@@ -166,5 +166,4 @@ class StateCredit(ExactCredit):
         return x
 
 
-__all__ = ["Predictor", "LearnedSource", "MaterializedCredit", "decode_all", "StateCredit", "RecordCredit",
-           "zero_valued"]
+__all__ = ["Predictor", "LearnedSource", "MaterializedCredit", "decode_all", "StateCredit"]

@@ -1,7 +1,10 @@
 """Credit sources: where the omitted input-gradient products' replacements come from.
 
-A source is a module with one method, `step()`, that returns the per-micro-batch context the model threads
-through its forward pass (`branch`, `terminal`, `finish`). The model never knows which source it runs.
+A source is a module whose `step()` returns the per-micro-batch context the model threads through its forward
+pass (`branch`, `terminal`, `finish`); the model never knows which source it runs. Adding a source is one class
+and one line in `make_source`. A source that learns (`fits = True`) also implements `teach` (one exact
+micro-batch that fits it) and `end_update` (apply the fit, report it), and the trainer calls them on teacher
+updates.
 
 How a correction reaches the residual gradient without a second backward pass or hooks:
 
