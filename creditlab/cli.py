@@ -91,23 +91,40 @@ def cmd_check(args) -> int:
 
 def cmd_train(args) -> int:
     from creditlab import runtime as rt
-    from creditlab.protocol.records import append_jsonl, new_record_dir, write_once
-    from creditlab.train import Trainer, median_last, row_dict
+    from creditlab.protocol.records import append_jsonl, new_record_dir, read_jsonl, write_once
+    from creditlab.train import Trainer, UpdateRow, latest_rows, median_last, row_dict
 
-    cfg = load_config(args)
+    record, checkpoint = None, None
+    if args.resume:
+        record, cfg, checkpoint = _resumable(args)
+    else:
+        cfg = load_config(args)
     runtime = rt.resolve(cfg.train)
     if runtime.is_main:
         print_config(cfg)
     peak = rt.measure_matmul_tflops(runtime)
     trainer = Trainer(cfg, runtime, peak_tflops=peak)
-    record = None
-    if runtime.is_main and not args.no_record:
+    if checkpoint is not None:
+        trainer.load_checkpoint(checkpoint)
+        print(f"resumed {record} from {checkpoint.name} at update {trainer.update_index}", file=sys.stderr)
+    if runtime.is_main and not args.no_record and record is None:
         record = new_record_dir(cfg.train.out_dir, "train")
         write_once(record / "config.json", cfg.to_dict())
         write_once(record / "env.json", {**rt.environment(runtime), "matmul_tflops": peak})
+    if record is not None:
         print(f"record: {record}", file=sys.stderr)
-    rows = trainer.run(progress=not args.no_progress,
-                       on_row=(lambda r: append_jsonl(record / "rows.jsonl", row_dict(r))) if record else None)
+
+    def on_row(row):
+        if record is None:
+            return
+        append_jsonl(record / "rows.jsonl", row_dict(row))
+        every = cfg.train.checkpoint_every
+        if every and (row.update + 1) % every == 0:
+            trainer.save_checkpoint(record / f"checkpoint_{row.update + 1:06d}.pt")
+
+    rows = trainer.run(progress=not args.no_progress, on_row=on_row)
+    if record is not None:  # a resumed run's result covers every update of its record
+        rows = [UpdateRow(**r) for r in latest_rows(read_jsonl(record / "rows.jsonl"))]
     window = min(6, len(rows))
     result = {"updates": len(rows), "final_loss": rows[-1].loss, "first_loss": rows[0].loss,
               f"median_last{window}_s": median_last(rows, window),
@@ -120,6 +137,28 @@ def cmd_train(args) -> int:
         print(json.dumps(result) if args.json else
               f"done: loss {result['first_loss']:.4f} -> {result['final_loss']:.4f} over {len(rows)} updates")
     return 0
+
+
+def _resumable(args):
+    """The record, its config and its newest checkpoint; refuse what cannot be resumed, saying why."""
+    from pathlib import Path
+
+    record = Path(args.resume)
+    if args.overrides:
+        raise config_mod.ConfigError("--resume continues a run exactly as configured; drop --set")
+    if not (record / "config.json").exists():
+        raise config_mod.ConfigError(f"{record} is not a training record (no config.json)")
+    if (record / "result.json").exists():
+        raise config_mod.ConfigError(f"{record} finished (result.json exists); start a new run instead")
+    checkpoints = sorted(record.glob("checkpoint_*.pt"))
+    if not checkpoints:
+        raise config_mod.ConfigError(f"{record} has no checkpoint to resume from (it ran with "
+                                     f"train.checkpoint_every=0)")
+    # Rows written after the newest checkpoint stay (append-only); the resumed run re-does those updates and
+    # appends their new rows, and readers keep the last row of each update (train.latest_rows).
+    cfg = config_mod.Config.from_dict(json.loads((record / "config.json").read_text()))
+    config_mod.validate(cfg)
+    return record, cfg, checkpoints[-1]
 
 
 # ---- parser ------------------------------------------------------------------------------------------------
@@ -145,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--no-progress", action="store_true", help="plain step lines instead of a progress bar")
     p.add_argument("--no-record", action="store_true", help="do not write runs/<id>/")
+    p.add_argument("--resume", metavar="RUN_DIR", default=None,
+                   help="continue an unfinished run from its newest checkpoint (train.checkpoint_every > 0)")
     p.set_defaults(func=cmd_train)
 
     for register in _extensions():

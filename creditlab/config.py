@@ -79,6 +79,7 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 autocast on CUDA, float32 on CPU) | float32 | float64 | bf16
     log_every: int = 1
+    checkpoint_every: int = 0  # > 0: write runs/<id>/checkpoint_<update>.pt every this many updates
     out_dir: str = "runs"
 
 

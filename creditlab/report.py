@@ -18,7 +18,9 @@ def load_run(folder: str | Path) -> dict:
     folder = Path(folder)
     if not (folder / "rows.jsonl").exists():
         raise FileNotFoundError(f"{folder} has no rows.jsonl: not a run record (see runs/<id>/)")
-    run = {"dir": folder, "rows": read_jsonl(folder / "rows.jsonl")}
+    from creditlab.train import latest_rows
+
+    run = {"dir": folder, "rows": latest_rows(read_jsonl(folder / "rows.jsonl"))}
     for name in ("config", "env", "result"):
         path = folder / f"{name}.json"
         run[name] = json.loads(path.read_text()) if path.exists() else None

@@ -152,11 +152,12 @@ class Trainer:
     def run(self, updates: int | None = None, progress: bool = True, on_row=None) -> list[UpdateRow]:
         from tqdm import tqdm
 
-        total = updates if updates is not None else self.cfg.train.updates
+        count = updates if updates is not None else self.cfg.train.updates - self.update_index
+        total = max(self.cfg.train.updates, self.update_index + count)  # for "update i/total" after a resume
         rows = []
         # A bar only on a terminal; logs and pipes get the plain step lines.
         progress = progress and self.runtime.is_main and sys.stderr.isatty()
-        bar = tqdm(range(total), desc="train", unit="update", disable=not progress, dynamic_ncols=True)
+        bar = tqdm(range(count), desc="train", unit="update", disable=not progress, dynamic_ncols=True)
         for _ in bar:
             row = self.train_update()
             rows.append(row)
@@ -166,6 +167,12 @@ class Trainer:
             if self.runtime.is_main and (row.update % self.cfg.train.log_every == 0 or row.update == total - 1):
                 bar.write(row.line(total)) if progress else print(row.line(total), flush=True)
         return rows
+
+
+def latest_rows(rows: list[dict]) -> list[dict]:
+    """One row per update, the last written: a resumed run re-does the updates after its checkpoint."""
+    by_update = {r["update"]: r for r in rows}
+    return [by_update[u] for u in sorted(by_update)]
 
 
 def median_last(rows: list[UpdateRow], window: int, field: str = "seconds") -> float:
