@@ -34,6 +34,13 @@ def randomize(model: GPT, seed: int = 0) -> GPT:
     return model
 
 
+def tokens(cfg, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random inputs and targets of one batch, from a seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g)
+    return idx, torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g)
+
+
 def logits64(model: GPT, idx: torch.Tensor) -> torch.Tensor:
     """Soft-capped logits kept in the model's dtype (model.logits returns float32)."""
     cap = model.cfg.logit_cap
@@ -82,9 +89,7 @@ def test_causality_check_detects_a_leak(monkeypatch):
 def test_runs_in_float32_and_float64(dtype):
     cfg = small_cfg()
     model = randomize(GPT(cfg)).to(dtype)
-    g = torch.Generator().manual_seed(3)
-    idx = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
-    tgt = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
+    idx, tgt = tokens(cfg, batch=2, seed=3)
     loss = model(idx, tgt, loss_chunk=7)
     assert loss.dtype == dtype and loss.ndim == 0 and torch.isfinite(loss)
     loss.backward()
@@ -99,9 +104,7 @@ def test_float32_and_float64_agree():
     m64 = randomize(GPT(cfg)).double()
     m32 = GPT(cfg)
     m32.load_state_dict({k: v.float() for k, v in m64.state_dict().items()})
-    g = torch.Generator().manual_seed(4)
-    idx = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
-    tgt = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
+    idx, tgt = tokens(cfg, batch=2, seed=4)
     l64, l32 = m64(idx, tgt).item(), m32(idx, tgt).item()
     assert l32 == pytest.approx(l64, rel=1e-5)
 
@@ -109,9 +112,7 @@ def test_float32_and_float64_agree():
 def test_forward_loss_is_cross_entropy_of_the_logits_for_any_chunk():
     cfg = small_cfg()
     model = randomize(GPT(cfg).double())
-    g = torch.Generator().manual_seed(5)
-    idx = torch.randint(0, cfg.vocab_size, (3, cfg.seq_len), generator=g)
-    tgt = torch.randint(0, cfg.vocab_size, (3, cfg.seq_len), generator=g)
+    idx, tgt = tokens(cfg, batch=3, seed=5)
     with torch.no_grad():
         ref = F.cross_entropy(logits64(model, idx).flatten(0, 1), tgt.flatten()).item()
         for chunk in (1, 5, 16, 48, 1000):
@@ -164,9 +165,7 @@ def test_value_embeddings_feed_exactly_the_mapped_layers():
     """Functional routing: with every layer's mix weight for its table at zero but one, only that table learns."""
     cfg = small_cfg("model.layers=8", "model.value_embeds=3")
     model = randomize(GPT(cfg).double())
-    g = torch.Generator().manual_seed(6)
-    idx = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
-    tgt = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
+    idx, tgt = tokens(cfg, batch=2, seed=6)
 
     def table_grads(open_layer):
         with torch.no_grad():
@@ -200,9 +199,7 @@ def test_trunk_parameters_exclude_only_the_head():
 def test_every_parameter_gets_gradient_with_random_weights():
     cfg = small_cfg()
     model = randomize(GPT(cfg).double())
-    g = torch.Generator().manual_seed(7)
-    idx = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
-    tgt = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
+    idx, tgt = tokens(cfg, batch=2, seed=7)
     model(idx, tgt).backward()
     for name, p in model.named_parameters():
         assert p.grad.abs().sum().item() > 0, name
@@ -222,9 +219,7 @@ def test_zero_head_gives_loss_ln_vocab_at_init(dtype, rel):
     cfg = small_cfg()  # V = 97, head padded to 128: the padding must take no probability
     torch.manual_seed(8)
     model = GPT(cfg).to(dtype)
-    g = torch.Generator().manual_seed(9)
-    idx = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
-    tgt = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
+    idx, tgt = tokens(cfg, batch=2, seed=9)
     loss = model(idx, tgt, loss_chunk=5).item()
     assert loss == pytest.approx(math.log(97), rel=rel)
     assert abs(loss - math.log(128)) > 0.2
