@@ -12,7 +12,6 @@ import math
 import os
 import sys
 import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -182,7 +181,3 @@ def median_last(rows: list[UpdateRow], window: int, field: str = "seconds") -> f
 
 def row_dict(row: UpdateRow) -> dict:
     return asdict(row)
-
-
-def timestamp() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
