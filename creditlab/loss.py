@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import torch
 
+from creditlab import kernels
+
 
 def _chunk_loss_and_grads(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
                           cap: float, scale: float):
     """Sum of the chunk's losses, and d(scale * sum)/dh, d(scale * sum)/dW. h: (n, d); weight: (Vp, d)."""
+    if kernels.available(h):  # the same arithmetic in one Triton pass over the logits (kernels.py)
+        loss_rows, dlogits = kernels.softcap_ce(h @ weight.t(), targets, vocab_size, cap, scale)
+        return loss_rows.sum(), dlogits @ weight, dlogits.t() @ h
     acc = torch.promote_types(h.dtype, torch.float32)  # float32 or better for the softmax
     logits = (h @ weight.t()).to(acc)  # (n, Vp)
     t = torch.tanh(logits / cap)

@@ -1,0 +1,48 @@
+"""The Triton kernels against float64 autograd, on the CPU through Triton's interpreter (tests/kernel_checks.py)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def report():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE.parent))
+    done = subprocess.run([sys.executable, str(HERE / "kernel_checks.py")], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("case", ["one_block", "many_blocks", "saturated", "near_zero"])
+def test_softcap_ce_matches_autograd_in_float32(report, case):
+    r = report[case]
+    assert r["loss_rel"] < 2e-6 and r["grad_abs"] < 2e-6, r
+    assert r["padding_grad_zero"]
+
+
+def test_softcap_ce_in_bf16_writes_bf16_gradients_to_bf16_accuracy(report):
+    r = report["bf16"]
+    assert r["grad_dtype"] == "torch.bfloat16"
+    assert r["loss_rel"] < 2e-6 and r["grad_abs"] < 8e-3, r
+
+
+def test_the_comparison_fails_for_a_different_function(report):
+    r = report["wrong_cap"]  # the kernel at cap 15 against the reference at cap 14
+    assert r["loss_rel"] > 1e-3 and r["grad_abs"] > 1e-3, r
+
+
+def test_head_loss_through_the_kernel_matches_the_torch_arithmetic(report):
+    assert max(report["head_loss"].values()) < 2e-6, report["head_loss"]
+
+
+def test_the_operator_declares_its_shapes_truthfully(report):
+    assert all(report["opcheck"].values()), report["opcheck"]
