@@ -36,6 +36,7 @@ ARMS = {
     "learned_materialized": ["credit.source=learned", "credit.teacher_every=0", "credit.materialized=true"],
     "teacher": ["credit.source=learned", "credit.teacher_every=1"],
     "dfa": ["credit.source=dfa"],
+    "native_plain": ["credit.source=exact", "model.recompute=false"],
     "native_eager": ["credit.source=exact", "train.compile=off"],
     "native_cudnn": ["credit.source=exact", "train.sdpa=cudnn"],
     "native_flash": ["credit.source=exact", "train.sdpa=flash"],
@@ -58,7 +59,7 @@ def profile(trainer: Trainer, path: Path, updates: int = 2) -> None:
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(updates):
             trainer.train_update()
-    path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90))
+    path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=70, max_name_column_width=90))
 
 
 def run_arm(name: str, base: config_mod.Config, init_state: dict, updates: int,
