@@ -37,6 +37,8 @@ ARMS = {
     "teacher": ["credit.source=learned", "credit.teacher_every=1"],
     "dfa": ["credit.source=dfa"],
     "native_plain": ["credit.source=exact", "model.recompute=false"],
+    "native_autotune": ["credit.source=exact", "train.compile_mode=max-autotune-no-cudagraphs"],
+    "native_chunk8k": ["credit.source=exact", "train.loss_chunk=8192"],
     "native_eager": ["credit.source=exact", "train.compile=off"],
     "native_cudnn": ["credit.source=exact", "train.sdpa=cudnn"],
     "native_flash": ["credit.source=exact", "train.sdpa=flash"],
@@ -62,8 +64,48 @@ def profile(trainer: Trainer, path: Path, updates: int = 2) -> None:
     path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=70, max_name_column_width=90))
 
 
+def _where(frames: list[dict]) -> str:
+    """The innermost creditlab or compiled-graph frames of an allocation's stack, shortened."""
+    keep = [f for f in frames if "creditlab" in f["filename"] or "torchinductor" in f["filename"]
+            or "autograd" in f["filename"]]
+    return " < ".join(f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in keep[:3]) or "?"
+
+
+def memory_at_peak(trainer: Trainer, path: Path) -> None:
+    """Replays the allocator's events of one more update and writes what is live at its peak, by size.
+    (Allocations older than the update, such as parameters and optimizer state, are not in the trace.)"""
+    torch.cuda.memory._record_memory_history(max_entries=500_000)
+    trainer.train_update()
+    events = torch.cuda.memory._snapshot()["device_traces"][0]
+    torch.cuda.memory._record_memory_history(enabled=None)
+    live, total, peak, peak_at = {}, 0, 0, 0
+    for i, e in enumerate(events):
+        if e["action"] == "alloc":
+            live[e["addr"]] = e["size"]
+            total += e["size"]
+        elif e["action"] == "free_completed" and e["addr"] in live:
+            total -= live.pop(e["addr"])
+        if total > peak:
+            peak, peak_at = total, i
+    live = {}
+    for e in events[:peak_at + 1]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        elif e["action"] == "free_completed":
+            live.pop(e["addr"], None)
+    groups: dict[str, list[int]] = {}
+    for e in live.values():
+        groups.setdefault(_where(e.get("frames", [])), []).append(e["size"])
+    lines = [f"peak of the update's own allocations: {peak / 2**20:,.0f} MiB at event {peak_at} of "
+             f"{len(events)}; allocated there by: {_where(events[peak_at].get('frames', []))}", "",
+             "| MiB | blocks | allocated at |", "|---|---|---|"]
+    for where, sizes in sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:40]:
+        lines.append(f"| {sum(sizes) / 2**20:,.0f} | {len(sizes)} | {where} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
 def run_arm(name: str, base: config_mod.Config, init_state: dict, updates: int,
-            profile_to: Path | None = None) -> dict:
+            profile_to: Path | None = None, memory_to: Path | None = None) -> dict:
     cfg = copy.deepcopy(base)
     for item in ARMS[name]:
         key, _, value = item.partition("=")
@@ -104,6 +146,11 @@ def run_arm(name: str, base: config_mod.Config, init_state: dict, updates: int,
     out["loss_last"] = rows[-1].loss
     if profile_to is not None:
         profile(trainer, profile_to)
+    if memory_to is not None:
+        try:
+            memory_at_peak(trainer, memory_to)
+        except Exception as exc:  # noqa: BLE001 - a diagnostic must not lose the arm's timings
+            memory_to.write_text(f"memory trace failed: {type(exc).__name__}: {exc}\n")
     del trainer, model
     gc.collect()
     torch.cuda.empty_cache()
@@ -134,6 +181,7 @@ def main() -> int:
     ap.add_argument("--updates", type=int, default=12)
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--profile", default="", help="comma-separated arms to profile after their timed updates")
+    ap.add_argument("--memory", default="", help="comma-separated arms whose memory peak to break down")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("this benchmark needs a CUDA GPU", file=sys.stderr)
@@ -151,7 +199,8 @@ def main() -> int:
         print(f"== arm {name}", flush=True)
         try:
             prof = out / f"profile_{name}.txt" if name in args.profile.split(",") else None
-            results.append(run_arm(name, base, init_state, args.updates, prof))
+            mem = out / f"memory_{name}.md" if name in args.memory.split(",") else None
+            results.append(run_arm(name, base, init_state, args.updates, prof, mem))
         except torch.OutOfMemoryError as exc:
             results.append({"arm": name, "oom": str(exc)[:2000]})
             print(f"arm {name}: out of memory", flush=True)

@@ -59,6 +59,9 @@ class CreditConfig:
     feedback_seed: int = 1234  # fixed random feedback of `dfa`
 
 
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+
+
 @dataclass
 class TrainConfig:
     micro_batch: int = 64
@@ -74,6 +77,7 @@ class TrainConfig:
     cooldown_frac: float = 0.4  # final fraction of updates with linear decay to zero
     loss_chunk: int = 16_384  # tokens per chunk of the fused head loss
     compile: str = "auto"  # auto (on CUDA) | on | off
+    compile_mode: str = "default"  # torch.compile mode: default | max-autotune-no-cudagraphs (Triton matmuls)
     sdpa: str = "auto"  # attention kernel: auto | flash | cudnn | efficient | math
     activation_budget: float = 1.0  # < 1: ask the compiler to recompute activations to fit this fraction
     device: str = "auto"  # auto | cpu | cuda
@@ -221,6 +225,8 @@ def validate(cfg: Config) -> None:
             problems.append(f"train.{key} must be positive")
     if t.compile not in ("auto", "on", "off"):
         problems.append(f"train.compile must be auto|on|off, got {t.compile!r}")
+    if t.compile_mode not in COMPILE_MODES:
+        problems.append(f"train.compile_mode must be one of {'|'.join(COMPILE_MODES)}, got {t.compile_mode!r}")
     if t.sdpa not in ("auto", "flash", "cudnn", "efficient", "math"):
         problems.append(f"train.sdpa must be auto|flash|cudnn|efficient|math, got {t.sdpa!r}")
     if t.device not in ("auto", "cpu", "cuda"):

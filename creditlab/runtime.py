@@ -75,14 +75,14 @@ def resolve(cfg: TrainConfig) -> Runtime:
     return Runtime(device, param_dtype, autocast_dtype, compile_, cfg.sdpa, rank, world_size, local_rank)
 
 
-def maybe_compile(fn, runtime: Runtime, activation_budget: float = 1.0):
+def maybe_compile(fn, runtime: Runtime, activation_budget: float = 1.0, mode: str = "default"):
     """torch.compile when asked; if compilation fails at the first call, warn and fall back to eager."""
     if not runtime.compile:
         return fn
     if activation_budget < 1.0:
         import torch._functorch.config as functorch_config
         functorch_config.activation_memory_budget = activation_budget
-    compiled = torch.compile(fn)
+    compiled = torch.compile(fn, mode=None if mode == "default" else mode)
     state = {"fn": compiled}
 
     def call(*args, **kwargs):

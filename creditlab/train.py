@@ -69,7 +69,8 @@ class Trainer:
             cfg, "train", self.runtime.rank, self.runtime.world_size)
         self.ddp = DDP(self.model, device_ids=[self.runtime.local_rank] if self.runtime.is_cuda else None) \
             if self.runtime.world_size > 1 else None
-        self._forward = rt.maybe_compile(self.ddp or self.model, self.runtime, cfg.train.activation_budget)
+        self._forward = rt.maybe_compile(self.ddp or self.model, self.runtime, cfg.train.activation_budget,
+                                         cfg.train.compile_mode)
         self.flops_per_token = flop_budget(cfg.model, max(cfg.credit.teacher_every, 2)).total_per_token
         self.peak_tflops = peak_tflops
         self.update_index = 0

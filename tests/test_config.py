@@ -190,3 +190,12 @@ def test_from_dict_coerces_int_to_float_and_rejects_wrong_types():
 def test_from_dict_reads_strings_as_overrides_do():
     cfg = Config.from_dict({"model": {"layers": "6"}, "credit": {"materialized": "yes"}})
     assert cfg.model.layers == 6 and cfg.credit.materialized is True
+
+
+def test_an_unknown_compile_mode_is_an_error_naming_the_modes():
+    import pytest
+
+    from creditlab import config
+
+    with pytest.raises(config.ConfigError, match="max-autotune-no-cudagraphs"):
+        config.load("tiny", ["train.compile_mode=fastest"])
