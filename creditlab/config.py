@@ -75,7 +75,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     warmup: int = 0  # updates of linear warmup
     cooldown_frac: float = 0.4  # final fraction of updates with linear decay to zero
-    loss_chunk: int = 16_384  # tokens per chunk of the fused head loss
+    # Tokens per chunk of the fused head loss. At the seed shape the forward's peak is in the head loss
+    # (benchmarks/results/memory_native_seed.md): 8,192 peaks 1.7 GB lower than 16,384 (benchmarks/native_seed.md).
+    loss_chunk: int = 8_192
     compile: str = "auto"  # auto (on CUDA) | on | off
     compile_mode: str = "default"  # torch.compile mode: default | max-autotune-no-cudagraphs (Triton matmuls)
     sdpa: str = "auto"  # attention kernel: auto | flash | cudnn | efficient | math

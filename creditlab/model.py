@@ -182,7 +182,7 @@ class GPT(nn.Module):
         return credit.terminal(x)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor, credit: ExactCredit = EXACT,
-                loss_chunk: int = 16_384) -> torch.Tensor:
+                loss_chunk: int = 8_192) -> torch.Tensor:
         """Mean next-token loss of idx: (B, T) against targets: (B, T)."""
         h = norm(self.hidden(idx, credit)).flatten(0, 1)
         loss = head_loss(h, self.head.weight, targets.flatten(), self.cfg.vocab_size, self.cfg.logit_cap,
