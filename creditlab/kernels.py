@@ -102,15 +102,3 @@ def softcap_ce_rows(logits: torch.Tensor, targets: torch.Tensor, vocab: int, cap
                            vocab=vocab, padded=padded, BLOCK=block,
                            FAST=logits.is_cuda if fast is None else fast, num_warps=num_warps or DEFAULT_WARPS)
     return loss, grad
-
-
-@torch.library.custom_op("creditlab::softcap_ce", mutates_args=())
-def softcap_ce(logits: torch.Tensor, targets: torch.Tensor, vocab: int, cap: float,
-               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`softcap_ce_rows` as an operator the compiler treats as one opaque call."""
-    return softcap_ce_rows(logits, targets, vocab, cap, scale)
-
-
-@softcap_ce.register_fake
-def _(logits, targets, vocab, cap, scale):
-    return logits.new_empty(logits.shape[0], dtype=torch.float32), torch.empty_like(logits)

@@ -18,7 +18,7 @@ def _chunk_loss_and_grads(h: torch.Tensor, weight: torch.Tensor, targets: torch.
                           cap: float, scale: float):
     """Sum of the chunk's losses, and d(scale * sum)/dh, d(scale * sum)/dW. h: (n, d); weight: (Vp, d)."""
     if kernels.available(h):  # the same arithmetic in one Triton pass over the logits (kernels.py)
-        loss_rows, dlogits = kernels.softcap_ce(h @ weight.t(), targets, vocab_size, cap, scale)
+        loss_rows, dlogits = kernels.softcap_ce_rows(h @ weight.t(), targets, vocab_size, cap, scale)
         return loss_rows.sum(), dlogits @ weight, dlogits.t() @ h
     acc = torch.promote_types(h.dtype, torch.float32)  # float32 or better for the softmax
     logits = (h @ weight.t()).to(acc)  # (n, Vp)
@@ -35,26 +35,45 @@ def _chunk_loss_and_grads(h: torch.Tensor, weight: torch.Tensor, targets: torch.
     return loss_sum, dlogits @ weight, dlogits.t() @ h
 
 
+@torch.library.custom_op("creditlab::fused_head_loss", mutates_args=())
+def fused_head_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int, cap: float,
+                    chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean loss, d loss/dh, d loss/dW) over all targets, chunk by chunk.
+
+    One operator the compiler cannot look into, on purpose: traced op by op, the products with the logits'
+    gradient are needed only by the backward, so the compiler moved them there and kept every chunk's
+    gradient of the logits for it (3 GB at the seed shape). As one operator, its small outputs are what is
+    kept, and only one chunk's logits are alive at a time."""
+    n_targets = h.shape[0]
+    w = weight.to(h.dtype)
+    grad_h = torch.empty_like(h)
+    acc = torch.promote_types(h.dtype, torch.float32)
+    grad_w = torch.zeros(weight.shape, dtype=acc, device=h.device)
+    total = torch.zeros((), dtype=acc, device=h.device)
+    for start in range(0, n_targets, chunk):
+        stop = min(start + chunk, n_targets)
+        loss_sum, gh, gw = _chunk_loss_and_grads(h[start:stop], w, targets[start:stop], vocab_size, cap,
+                                                 1.0 / n_targets)
+        total += loss_sum
+        grad_h[start:stop] = gh
+        grad_w += gw.to(acc)
+    return total / n_targets, grad_h, grad_w
+
+
+@fused_head_loss.register_fake
+def _(h, weight, targets, vocab_size, cap, chunk):
+    acc = torch.promote_types(h.dtype, torch.float32)
+    return h.new_empty((), dtype=acc), torch.empty_like(h), weight.new_empty(weight.shape, dtype=acc)
+
+
 class FusedHeadLoss(torch.autograd.Function):
     """mean over targets of CE(cap * tanh(h W^T / cap)); gradients computed chunk by chunk in the forward."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, vocab_size: int, cap: float, chunk: int):
-        n_targets = h.shape[0]
-        w = weight.to(h.dtype)
-        grad_h = torch.empty_like(h)
-        acc = torch.promote_types(h.dtype, torch.float32)
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=h.device)
-        total = torch.zeros((), dtype=acc, device=h.device)
-        for start in range(0, n_targets, chunk):
-            stop = min(start + chunk, n_targets)
-            loss_sum, gh, gw = _chunk_loss_and_grads(h[start:stop], w, targets[start:stop], vocab_size, cap,
-                                                     1.0 / n_targets)
-            total = total + loss_sum
-            grad_h[start:stop] = gh
-            grad_w += gw.to(acc)
+        loss, grad_h, grad_w = fused_head_loss(h, weight, targets, vocab_size, cap, chunk)
         ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
-        return total / n_targets
+        return loss
 
     @staticmethod
     def backward(ctx, grad_out):

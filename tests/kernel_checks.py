@@ -48,11 +48,66 @@ def head_loss_errors():
 
 
 def opcheck():
+    """The fused head-loss operator, with its chunks through the kernel, declares its outputs truthfully."""
+    kernels.available = lambda t: True
     g = torch.Generator().manual_seed(2)
-    logits, targets = torch.randn(4, 64, generator=g), torch.randint(0, 60, (4,), generator=g)
-    result = torch.library.opcheck(kernels.softcap_ce, (logits, targets, 60, 15.0, 0.5),
+    h, w = torch.randn(12, 8, generator=g), torch.randn(64, 8, generator=g)
+    targets = torch.randint(0, 60, (12,), generator=g)
+    result = torch.library.opcheck(loss.fused_head_loss, (h, w, targets, 60, 15.0, 5),
                                    test_utils=("test_schema", "test_faketensor"))
     return {k: v == "SUCCESS" for k, v in result.items()}
+
+
+@torch.library.custom_op("creditlab_test::softcap_ce_rows", mutates_args=())
+def _softcap_ce_rows_op(logits: torch.Tensor, targets: torch.Tensor, vocab: int, cap: float,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _KERNEL_ROWS(logits, targets, vocab, cap, scale)
+
+
+@_softcap_ce_rows_op.register_fake
+def _(logits, targets, vocab, cap, scale):
+    return logits.new_empty(logits.shape[0], dtype=torch.float32), torch.empty_like(logits)
+
+
+_KERNEL_ROWS = kernels.softcap_ce_rows
+
+
+def logits_shaped_kept_by_compiled_model(products_traced_op_by_op: bool) -> int:
+    """How many tensors shaped like a chunk of logits a compiled two-layer model keeps for its backward, with
+    the head loss's
+    chunks through the kernel. `products_traced_op_by_op` replays the earlier structure, where the compiler
+    saw the chunk loop op by op (and kept every chunk's logits gradient for the backward)."""
+    from creditlab import config
+    from creditlab.model import GPT
+
+    kernels.available = lambda t: True
+    real_op = loss.fused_head_loss
+    if products_traced_op_by_op:  # the kernel as its own operator, the loop around it traced
+        loss.fused_head_loss = real_op._init_fn
+        kernels.softcap_ce_rows = _softcap_ce_rows_op
+    try:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        cfg = config.load("tiny", ["model.layers=2", "model.value_embeds=1"])
+        model = GPT(cfg.model)
+        idx = torch.randint(0, cfg.model.vocab_size, (2, 32))
+        forward = torch.compile(model)
+        owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        chunk_of_logits = (32, cfg.model.padded_vocab)
+        found = []
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in owned and tuple(t.shape) == chunk_of_logits:
+                found.append(t.untyped_storage().data_ptr())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            value = forward(idx, idx, loss_chunk=32)
+        value.backward()
+        return len(set(found))
+    finally:
+        loss.fused_head_loss = real_op
+        kernels.softcap_ce_rows = _KERNEL_ROWS
 
 
 if __name__ == "__main__":
@@ -65,5 +120,7 @@ if __name__ == "__main__":
         "wrong_cap": kernel_errors(8, 97, 128, None, 20.0, torch.float32, cap=15.0, ref_cap=14.0),
         "head_loss": head_loss_errors(),
         "opcheck": opcheck(),
+        "logits_kept_fused": logits_shaped_kept_by_compiled_model(False),
+        "logits_kept_op_by_op": logits_shaped_kept_by_compiled_model(True),
     }
     json.dump(report, sys.stdout)

@@ -46,3 +46,10 @@ def test_head_loss_through_the_kernel_matches_the_torch_arithmetic(report):
 
 def test_the_operator_declares_its_shapes_truthfully(report):
     assert all(report["opcheck"].values()), report["opcheck"]
+
+
+def test_the_compiled_model_keeps_no_chunk_of_logits_for_the_backward(report):
+    # The head loss as one operator: only grad_h and grad_w are kept, no chunk of logits (or their gradient).
+    assert report["logits_kept_fused"] == 0, report
+    # The same loop traced op by op (the earlier structure) kept both chunks' logits gradients: the check fails.
+    assert report["logits_kept_op_by_op"] == 2, report
