@@ -104,4 +104,3 @@ def test_fused_matches_reference_for_any_shape(n, d, vocab, pad, chunk, cap, sca
     assert rel_err(fh, rh) <= 1e-12
     assert rel_err(fw, rw) <= 1e-12
     assert torch.count_nonzero(fw[vocab:]) == 0
-
