@@ -1,6 +1,6 @@
 """Triton kernels, for the few places where a measured gap demands one.
 
-`softcap_ce`: the soft-capped cross-entropy of a chunk of logits and its gradient, one program per row. The
+`softcap_ce_rows`: the soft-capped cross-entropy of a chunk of logits and its gradient, one program per row. The
 compiler's fused version of the same arithmetic (loss.py, `_chunk_loss_and_grads`) made four passes over the
 bf16 logits at about 0.8 TB/s on an H200; this kernel makes one read of each row from memory (the second
 pass finds it in L2) and one write. Because z = cap * tanh(l / cap) never exceeds cap, the log-sum-exp needs
