@@ -26,7 +26,10 @@ def norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def relu_squared(h: torch.Tensor) -> torch.Tensor:
-    return F.relu(h).square()
+    # r * r, not r.square(): square is pow, which CUDA autocast runs in float32. A float32 ReLU^2 then needs a
+    # bf16 copy for the next product, and the compiled graph kept both that copy and the pre-activation.
+    r = F.relu(h)
+    return r * r
 
 
 def recomputed(enabled: bool, fn, *args):

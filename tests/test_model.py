@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from creditlab import config
 from creditlab.flops import flop_budget
-from creditlab.model import GPT, norm
+from creditlab.model import GPT, norm, relu_squared
 
 SMALL = ["model.vocab_size=97", "model.width=32", "model.heads=2", "model.mlp_hidden=64", "model.seq_len=16",
          "model.gate_dim=8", "model.layers=4", "model.value_embeds=2"]
@@ -223,3 +223,43 @@ def test_zero_head_gives_loss_ln_vocab_at_init(dtype, rel):
     loss = model(idx, tgt, loss_chunk=5).item()
     assert loss == pytest.approx(math.log(97), rel=rel)
     assert abs(loss - math.log(128)) > 0.2
+
+
+# Matrix products and attention: CUDA autocast runs these in bf16, as intended.
+_LOW_PRECISION_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear", "aten::matmul"}
+
+
+def _upcast_by_cuda_autocast(fn, *args) -> list[str]:
+    """The ops of fn that CUDA autocast would run in float32 although they receive bf16 tensors (read from the
+    dispatcher's AutocastCUDA registrations, so it needs no GPU): each one silently doubles what it writes."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    found = []
+    for node in make_fx(fn)(*args).graph.nodes:
+        name = getattr(node.target, "name", lambda: "")()
+        if not name or name in _LOW_PRECISION_OPS:
+            continue
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(name, "AutocastCUDA"):
+            continue
+        dtypes = [a.meta["val"].dtype for a in node.args
+                  if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+        if torch.bfloat16 in dtypes:
+            found.append(name)
+    return found
+
+
+@pytest.mark.parametrize("source", ["exact", "learned"])
+def test_no_forward_op_is_upcast_by_cuda_autocast(source):
+    from creditlab.credit import make_source
+
+    cfg = config.load("tiny", [f"credit.source={source}", "credit.teacher_every=0"])
+    model = GPT(cfg.model).to(torch.bfloat16)
+    credit_source = make_source(cfg).to(torch.bfloat16)
+    idx = torch.randint(0, cfg.model.vocab_size, (2, 16))
+    assert _upcast_by_cuda_autocast(lambda i: model.hidden(i, credit=credit_source.step()), idx) == []
+
+
+def test_the_upcast_scan_flags_square():
+    h = torch.randn(4, 8, dtype=torch.bfloat16)
+    assert _upcast_by_cuda_autocast(lambda t: torch.relu(t).square(), h) == ["aten::pow.Tensor_Scalar"]
+    assert _upcast_by_cuda_autocast(relu_squared, h) == []
