@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 HERE = Path(__file__).resolve().parent
 
 
-def plot_arms(arms_json: Path, out: Path) -> Path:
+def plot_arms(arms_json: Path, out: Path, name: str, note: str) -> Path:
     data = json.loads(arms_json.read_text())
     results = [r for r in data["results"] if "oom" not in r]
     names = [r["arm"] for r in results]
@@ -43,9 +43,28 @@ def plot_arms(arms_json: Path, out: Path) -> Path:
     ax2.set_yticklabels([])
     gpu = data["meta"]["env"].get("gpu")
     fig.suptitle(f"Seed preset, micro 64 x T 2048 x GA 4, {data['meta']['updates']} updates per arm, {gpu} "
-                 "(before pointwise recomputation; eager teacher)", fontsize=10)
+                 f"({note})", fontsize=10)
     fig.tight_layout()
-    path = out / "arms_seed.png"
+    path = out / name
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_arm_rows(arms_json: Path, out: Path, name: str) -> Path:
+    """Seconds of every update of every arm: the spread the last-six medians summarize."""
+    data = json.loads(arms_json.read_text())
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    for r in (r for r in data["results"] if "oom" not in r):
+        rows = r["rows"][1:]  # the first update compiles
+        ax.plot([x["update"] + 1 for x in rows], [x["seconds"] for x in rows], "o-", ms=3,
+                label=f"{r['arm']} (median {r['median_last6_s']:.4f})")
+    ax.axvspan(6.5, len(data["results"][0]["rows"]) + 0.5, color="grey", alpha=0.1, label="last-six window")
+    ax.set_xlabel("update")
+    ax.set_ylabel("s/update")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = out / name
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
@@ -84,7 +103,11 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(plot_arms(HERE / "results" / "arms_credit_seed.json", out))
+    print(plot_arms(HERE / "results" / "arms_credit_seed.json", out, "arms_seed.png",
+                    "before pointwise recomputation; eager teacher"))
+    print(plot_arms(HERE / "results" / "arms_kernel_seed.json", out, "arms_kernel_seed.png",
+                    "recompute, Triton head loss, chunk 16,384; compiled teacher"))
+    print(plot_arm_rows(HERE / "results" / "arms_kernel_seed.json", out, "arms_kernel_rows_seed.png"))
     print(plot_screens(HERE / "screen_records", out))
 
 
