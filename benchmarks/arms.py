@@ -38,7 +38,6 @@ ARMS = {
     "dfa": ["credit.source=dfa"],
     "native_plain": ["credit.source=exact", "model.recompute=false"],
     "native_autotune": ["credit.source=exact", "train.compile_mode=max-autotune-no-cudagraphs"],
-    "native_chunk8k": ["credit.source=exact", "train.loss_chunk=8192"],
     "native_chunk16k": ["credit.source=exact", "train.loss_chunk=16384"],
     "native_eager": ["credit.source=exact", "train.compile=off"],
     "native_cudnn": ["credit.source=exact", "train.sdpa=cudnn"],

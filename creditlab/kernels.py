@@ -1,7 +1,7 @@
 """Triton kernels, for the few places where a measured gap demands one.
 
 `softcap_ce_rows`: the soft-capped cross-entropy of a chunk of logits and its gradient, one program per row. The
-compiler's fused version of the same arithmetic (loss.py, `_chunk_loss_and_grads`) made four passes over the
+compiler's fused version of the same arithmetic (`loss.softcap_ce_rows`) made four passes over the
 bf16 logits at about 0.8 TB/s on an H200; this kernel makes one read of each row from memory (the second
 pass finds it in L2) and one write. Because z = cap * tanh(l / cap) never exceeds cap, the log-sum-exp needs
 no running maximum: exp(z - cap) lies in [exp(-2 cap), 1].
@@ -47,38 +47,25 @@ if triton is not None:
         grad_row = grad_ptr + row * stride
         target = tl.load(targets_ptr + row)
         inv_cap = 1.0 / cap
-        if BLOCK >= padded:
-            # The whole row in registers: one read, one write, each transcendental once.
-            cols = tl.arange(0, BLOCK)
+        # Pass 1: sum of exp(z - cap) over the true vocabulary, and the target's z.
+        sum_e = tl.zeros([BLOCK], tl.float32)
+        target_z = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, vocab, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            valid = cols < vocab
+            z = cap * _tanh(tl.load(logits_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_cap, FAST)
+            sum_e += tl.where(valid, tl.exp2((z - cap) * LOG2E), 0.0)
+            target_z += tl.where(cols == target, z, 0.0)
+        lse = cap + tl.log(tl.sum(sum_e, axis=0))
+        tl.store(loss_ptr + row, lse - tl.sum(target_z, axis=0))
+        # Pass 2 (the row is in L2 by now): scale * (softmax(z) - onehot) * (1 - tanh^2); padding gets 0.
+        for start in range(0, padded, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
             valid = cols < vocab
             t = _tanh(tl.load(logits_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_cap, FAST)
-            z = cap * t
-            e = tl.where(valid, tl.exp2((z - cap) * LOG2E), 0.0)  # z <= cap: no running maximum needed
-            sum_e = tl.sum(e, axis=0)
-            lse = cap + tl.log(sum_e)
-            tl.store(loss_ptr + row, lse - tl.sum(tl.where(cols == target, z, 0.0), axis=0))
-            g = (e / sum_e - tl.where(cols == target, 1.0, 0.0)) * (1.0 - t * t) * scale
+            p = tl.where(valid, tl.exp2((cap * t - lse) * LOG2E), 0.0)
+            g = (p - tl.where(cols == target, 1.0, 0.0)) * (1.0 - t * t) * scale
             tl.store(grad_row + cols, g.to(grad_ptr.dtype.element_ty), mask=cols < padded)
-        else:
-            # Pass 1: sum of exp(z - cap) over the true vocabulary, and the target's z.
-            sum_e = tl.zeros([BLOCK], tl.float32)
-            target_z = tl.zeros([BLOCK], tl.float32)
-            for start in range(0, vocab, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                valid = cols < vocab
-                z = cap * _tanh(tl.load(logits_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_cap, FAST)
-                sum_e += tl.where(valid, tl.exp2((z - cap) * LOG2E), 0.0)
-                target_z += tl.where(cols == target, z, 0.0)
-            lse = cap + tl.log(tl.sum(sum_e, axis=0))
-            tl.store(loss_ptr + row, lse - tl.sum(target_z, axis=0))
-            # Pass 2 (the row is in L2 by now): scale * (softmax(z) - onehot) * (1 - tanh^2); padding gets 0.
-            for start in range(0, padded, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                valid = cols < vocab
-                t = _tanh(tl.load(logits_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_cap, FAST)
-                p = tl.where(valid, tl.exp2((cap * t - lse) * LOG2E), 0.0)
-                g = (p - tl.where(cols == target, 1.0, 0.0)) * (1.0 - t * t) * scale
-                tl.store(grad_row + cols, g.to(grad_ptr.dtype.element_ty), mask=cols < padded)
 
 
 def softcap_ce_rows(logits: torch.Tensor, targets: torch.Tensor, vocab: int, cap: float, scale: float,
@@ -86,7 +73,7 @@ def softcap_ce_rows(logits: torch.Tensor, targets: torch.Tensor, vocab: int, cap
     """Per-row loss (float32) and the gradient of scale * sum(loss) with respect to logits (logits' dtype).
 
     logits: (n, padded) with columns >= vocab being padding; targets: (n,) int64 in [0, vocab). `block`
-    (columns per step, a power of two; >= padded keeps the row in registers) and `num_warps` default to the
+    (columns per step, a power of two) and `num_warps` default to the
     fastest measured at the seed shape (benchmarks/softcap_ce.py); `fast` (the hardware tanh) defaults to on
     for CUDA tensors (the interpreter cannot run it)."""
     if triton is None:

@@ -14,25 +14,28 @@ import torch
 from creditlab import kernels
 
 
+def softcap_ce_rows(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, cap: float, scale: float):
+    """Per-row loss of CE(cap * tanh(logits / cap)) over the first vocab_size columns, and the gradient of
+    scale * sum(loss) with respect to logits (in logits' dtype; zero on the padding columns). The torch
+    arithmetic: the reference for the Triton kernel (kernels.softcap_ce_rows) and the CPU path."""
+    acc = torch.promote_types(logits.dtype, torch.float32)  # float32 or better for the softmax
+    t = torch.tanh(logits.to(acc) / cap)
+    z = cap * t
+    columns = torch.arange(logits.shape[1], device=logits.device)
+    z = z.masked_fill(columns >= vocab_size, float("-inf"))  # the padding columns take no probability
+    lse = torch.logsumexp(z, dim=-1)  # (n,)
+    rows = lse - z.gather(1, targets[:, None])[:, 0]
+    dz = torch.exp(z - lse[:, None]) - (columns == targets[:, None]).to(z.dtype)  # softmax - onehot
+    return rows, (dz * (1.0 - t * t) * scale).to(logits.dtype)  # d(cap*tanh(l/cap))/dl = 1 - tanh^2
+
+
 def _chunk_loss_and_grads(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
                           cap: float, scale: float):
     """Sum of the chunk's losses, and d(scale * sum)/dh, d(scale * sum)/dW. h: (n, d); weight: (Vp, d)."""
-    if kernels.available(h):  # the same arithmetic in one Triton pass over the logits (kernels.py)
-        loss_rows, dlogits = kernels.softcap_ce_rows(h @ weight.t(), targets, vocab_size, cap, scale)
-        return loss_rows.sum(), dlogits @ weight, dlogits.t() @ h
-    acc = torch.promote_types(h.dtype, torch.float32)  # float32 or better for the softmax
-    logits = (h @ weight.t()).to(acc)  # (n, Vp)
-    t = torch.tanh(logits / cap)
-    z = cap * t
-    padded = torch.arange(weight.shape[0], device=h.device) >= vocab_size
-    z = z.masked_fill(padded, float("-inf"))  # the padding columns of the head take no probability
-    lse = torch.logsumexp(z, dim=-1)  # (n,)
-    target_z = z.gather(1, targets[:, None])[:, 0]
-    loss_sum = (lse - target_z).sum()
-    is_target = torch.arange(weight.shape[0], device=h.device) == targets[:, None]
-    dz = torch.exp(z - lse[:, None]) - is_target.to(z.dtype)  # softmax - onehot, one pointwise pass
-    dlogits = (dz * (1.0 - t * t) * scale).to(h.dtype)  # d(cap*tanh(l/cap))/dl = 1 - tanh^2
-    return loss_sum, dlogits @ weight, dlogits.t() @ h
+    # On CUDA the pointwise work is one Triton kernel (kernels.py); elsewhere the torch arithmetic.
+    rows_fn = kernels.softcap_ce_rows if kernels.available(h) else softcap_ce_rows
+    loss_rows, dlogits = rows_fn(h @ weight.t(), targets, vocab_size, cap, scale)
+    return loss_rows.sum(), dlogits @ weight, dlogits.t() @ h
 
 
 @torch.library.custom_op("creditlab::fused_head_loss", mutates_args=())
