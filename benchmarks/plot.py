@@ -107,6 +107,8 @@ def main() -> None:
                     "before pointwise recomputation; eager teacher"))
     print(plot_arms(HERE / "results" / "arms_kernel_seed.json", out, "arms_kernel_seed.png",
                     "recompute, Triton head loss, chunk 16,384; compiled teacher"))
+    print(plot_arms(HERE / "results" / "arms_chunk_seed.json", out, "arms_chunk_seed.png",
+                    "head-loss chunk 16,384 vs 8,192"))
     print(plot_arm_rows(HERE / "results" / "arms_kernel_seed.json", out, "arms_kernel_rows_seed.png"))
     print(plot_screens(HERE / "screen_records", out))
 
