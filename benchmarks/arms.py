@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch._dynamo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -39,6 +40,7 @@ ARMS = {
     "native_plain": ["credit.source=exact", "model.recompute=false"],
     "native_autotune": ["credit.source=exact", "train.compile_mode=max-autotune-no-cudagraphs"],
     "native_chunk16k": ["credit.source=exact", "train.loss_chunk=16384"],
+    "native_plain16k": ["credit.source=exact", "model.recompute=false", "train.loss_chunk=16384"],
     "native_eager": ["credit.source=exact", "train.compile=off"],
     "native_cudnn": ["credit.source=exact", "train.sdpa=cudnn"],
     "native_flash": ["credit.source=exact", "train.sdpa=flash"],
@@ -46,6 +48,28 @@ ARMS = {
     "native_budget07": ["credit.source=exact", "train.activation_budget=0.7"],
     "native_budget05": ["credit.source=exact", "train.activation_budget=0.5"],
 }
+
+
+# Modifiers join an arm with "+": `native+keep_mlp+tuned` is native, keeping ReLU^2, with tuned kernels.
+MODIFIERS = {
+    "tuned": ["train.compile_mode=coordinate-descent"],
+    "keep_mlp": ["model.recompute=norm,qk"],
+    "keep_norm": ["model.recompute=qk,mlp"],
+    "keep_qk": ["model.recompute=norm,mlp"],
+    "keep_norm_qk": ["model.recompute=mlp"],
+    "recompute_all": ["model.recompute=all"],
+    "flash": ["train.sdpa=flash"],
+    "chunk16k": ["train.loss_chunk=16384"],
+}
+
+
+def overrides_of(name: str) -> list[str]:
+    """The config overrides of an arm name: one ARMS entry, then any MODIFIERS joined with '+'."""
+    head, *mods = name.split("+")
+    unknown = [m for m in mods if m not in MODIFIERS] + ([head] if head not in ARMS else [])
+    if unknown:
+        raise SystemExit(f"unknown arm part(s) {unknown}; arms: {', '.join(ARMS)}; modifiers: {', '.join(MODIFIERS)}")
+    return ARMS[head] + [o for m in mods for o in MODIFIERS[m]]
 
 
 def state_bytes_sha(model: torch.nn.Module) -> str:
@@ -107,10 +131,13 @@ def memory_at_peak(trainer: Trainer, path: Path) -> None:
 def run_arm(name: str, base: config_mod.Config, init_state: dict, updates: int,
             profile_to: Path | None = None, memory_to: Path | None = None) -> dict:
     cfg = copy.deepcopy(base)
-    for item in ARMS[name]:
+    for item in overrides_of(name):
         key, _, value = item.partition("=")
         config_mod._assign(cfg, key, value)
     config_mod.validate(cfg)
+    # Every arm compiles the same code objects; without a reset, the compiler's per-function cache limit
+    # (8 entries) is reached after a few arms and later arms silently run eagerly.
+    torch._dynamo.reset()
     runtime = rt.resolve(cfg.train)
     model = build_model(cfg, runtime)
     model.load_state_dict(init_state)
@@ -134,7 +161,7 @@ def run_arm(name: str, base: config_mod.Config, init_state: dict, updates: int,
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     rows = trainer.run(updates, progress=False)
-    out = {"arm": name, "overrides": ARMS[name], "init_sha256": init_sha, "rows": [row_dict(r) for r in rows],
+    out = {"arm": name, "overrides": overrides_of(name), "init_sha256": init_sha, "rows": [row_dict(r) for r in rows],
            "wall_s": time.perf_counter() - start, "first_update_s": rows[0].seconds,
            "saved_by_forward_mib": saved[-1]}
     window = [r for r in rows[-6:]]
@@ -195,6 +222,8 @@ def main() -> int:
     meta = {"preset": args.preset, "overrides": args.overrides, "updates": args.updates,
             "env": rt.environment(runtime), "matmul_tflops": base_peak, "config": base.to_dict()}
     results = []
+    for name in args.arms.split(","):
+        overrides_of(name)  # fail on a misspelt arm before any GPU time is spent
     for name in args.arms.split(","):
         print(f"== arm {name}", flush=True)
         try:

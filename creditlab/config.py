@@ -26,7 +26,15 @@ class ModelConfig:
     logit_cap: float = 15.0
     rope_base: float = 10_000.0
     vocab_pad_multiple: int = 64  # the head is padded for speed; FLOPs count the true vocabulary
-    recompute: bool = True  # redo norms, QK-norm/rotary and ReLU^2 in the backward instead of keeping them
+    # Pointwise work redone in the backward instead of kept: any of norm (the blocks' RMSNorms), qk (QK-norm and
+    # rotary), mlp (ReLU^2), comma-separated; "all" or "none" (true/false read as all/none). At the seed shape
+    # "mlp" keeps 4 GB less than "none" for about 1% more time; "all" keeps 4 GB less again for 6% more time
+    # (benchmarks/native_seed.md).
+    recompute: str = "mlp"
+
+    @property
+    def recompute_parts(self) -> frozenset[str]:
+        return parse_recompute(self.recompute)
 
     @property
     def head_dim(self) -> int:
@@ -59,7 +67,25 @@ class CreditConfig:
     feedback_seed: int = 1234  # fixed random feedback of `dfa`
 
 
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+RECOMPUTE_PARTS = ("norm", "qk", "mlp")
+
+
+def parse_recompute(spec: str) -> frozenset[str]:
+    """The parts named by model.recompute; a ValueError names the valid ones."""
+    spec = spec.strip().lower()
+    if spec in ("all", "true", "1", "on", "yes"):
+        return frozenset(RECOMPUTE_PARTS)
+    if spec in ("none", "false", "0", "off", "no", ""):
+        return frozenset()
+    parts = frozenset(p.strip() for p in spec.split(","))
+    unknown = sorted(parts - set(RECOMPUTE_PARTS))
+    if unknown:
+        raise ValueError(f"unknown part(s) {', '.join(unknown)}: use all, none or a comma-separated subset of "
+                         f"{','.join(RECOMPUTE_PARTS)}")
+    return parts
+
+
+COMPILE_MODES = ("default", "coordinate-descent", "max-autotune-no-cudagraphs")
 
 
 @dataclass
@@ -79,7 +105,8 @@ class TrainConfig:
     # (benchmarks/results/memory_native_seed.md): 8,192 peaks 1.7 GB lower than 16,384 (benchmarks/native_seed.md).
     loss_chunk: int = 8_192
     compile: str = "auto"  # auto (on CUDA) | on | off
-    compile_mode: str = "default"  # torch.compile mode: default | max-autotune-no-cudagraphs (Triton matmuls)
+    compile_mode: str = "default"  # default | coordinate-descent (tune fused kernels' launch configs) |
+    # max-autotune-no-cudagraphs (also Triton matmuls with fused epilogues; compiles for many minutes)
     sdpa: str = "auto"  # attention kernel: auto | flash | cudnn | efficient | math
     activation_budget: float = 1.0  # < 1: ask the compiler to recompute activations to fit this fraction
     device: str = "auto"  # auto | cpu | cuda
@@ -221,6 +248,10 @@ def validate(cfg: Config) -> None:
     for key in ("layers", "width", "heads", "mlp_hidden", "seq_len", "vocab_size", "vocab_pad_multiple"):
         if getattr(m, key) < 1:
             problems.append(f"model.{key} must be positive")
+    try:
+        parse_recompute(m.recompute)
+    except ValueError as exc:
+        problems.append(f"model.recompute: {exc}")
     t = cfg.train
     for key in ("micro_batch", "grad_accum", "updates", "loss_chunk"):
         if getattr(t, key) < 1:

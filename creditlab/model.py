@@ -80,7 +80,7 @@ class Attention(nn.Module):
         # v <- a*v + b*ve: how much of this layer's value embedding to mix in.
         self.value_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if has_value_embed else None
         self.rotary = Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_base)
-        self.recompute = cfg.recompute
+        self.recompute = "qk" in cfg.recompute_parts
 
     def qk_norm_rotary(self, q: torch.Tensor, k: torch.Tensor):
         return self.rotary(norm(q)), self.rotary(norm(k))
@@ -103,7 +103,7 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = nn.Linear(cfg.width, cfg.mlp_hidden, bias=False)  # the omitted input product: W_fc^T dH
         self.proj = nn.Linear(cfg.mlp_hidden, cfg.width, bias=False)
-        self.recompute = cfg.recompute
+        self.recompute = "mlp" in cfg.recompute_parts
 
     def forward(self, n_omit: torch.Tensor) -> torch.Tensor:
         return self.proj(recomputed(self.recompute, relu_squared, self.fc(n_omit)))
@@ -116,7 +116,7 @@ class Block(nn.Module):
         self.attn = Attention(cfg, has_value_embed)
         self.mlp = MLP(cfg)
         self.resid_mix = nn.Parameter(torch.tensor([1.0, 0.0]))  # x <- a*x + b*x0
-        self.recompute = cfg.recompute
+        self.recompute = "norm" in cfg.recompute_parts
 
     def forward(self, x, x0, ve, credit: ExactCredit):
         x = self.resid_mix[0] * x + self.resid_mix[1] * x0

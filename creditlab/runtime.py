@@ -82,7 +82,10 @@ def maybe_compile(fn, runtime: Runtime, activation_budget: float = 1.0, mode: st
     if activation_budget < 1.0:
         import torch._functorch.config as functorch_config
         functorch_config.activation_memory_budget = activation_budget
-    compiled = torch.compile(fn, mode=None if mode == "default" else mode)
+    if mode == "coordinate-descent":  # per-compile options, so other compiled functions keep the defaults
+        compiled = torch.compile(fn, options={"coordinate_descent_tuning": True})
+    else:
+        compiled = torch.compile(fn, mode=None if mode == "default" else mode)
     state = {"fn": compiled}
 
     def call(*args, **kwargs):
