@@ -59,6 +59,7 @@ MODIFIERS = {
     "keep_norm_qk": ["model.recompute=mlp"],
     "recompute_all": ["model.recompute=all"],
     "flash": ["train.sdpa=flash"],
+    "fit32": ["credit.fit_precision=float32"],
     "chunk16k": ["train.loss_chunk=16384"],
 }
 

@@ -64,6 +64,9 @@ class CreditConfig:
     teacher_every: int = 4  # one exact teacher update in K (the `learned` source; 0 = never)
     materialized: bool = False  # decode every correction at the tap (to measure what streaming saves)
     predictor_lr: float = 1e-2  # held-out fit after 150 teacher steps (tiny): 3e-3 0.82, 1e-2 0.78, 3e-2 0.77, 1e-1 0.81
+    # The teacher's fit products over (B, T, d): "auto" runs them in the gradient's dtype (bf16 under autocast,
+    # with float32 sums); "float32" always in float32 or better.
+    fit_precision: str = "auto"
     feedback_seed: int = 1234  # fixed random feedback of `dfa`
 
 
@@ -271,6 +274,8 @@ def validate(cfg: Config) -> None:
     c = cfg.credit
     if c.rank < 1:
         problems.append("credit.rank must be positive")
+    if c.fit_precision not in ("auto", "float32"):
+        problems.append(f"credit.fit_precision must be auto|float32, got {c.fit_precision!r}")
     if c.teacher_every < 0:
         problems.append("credit.teacher_every must be >= 0")
     if problems:

@@ -30,39 +30,42 @@ STATS = ("weighted_sq_error", "pred_dot_true", "pred_sq", "true_sq")
 
 class _FitBranch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, n, gate_weight, decoder, code_sink, stats_sink, scale: float):
+    def forward(ctx, n, gate_weight, decoder, code_sink, stats_sink, scale: float, low_precision: bool):
         gate = torch.sigmoid(n @ gate_weight.to(n.dtype).t())  # (B, T, 2r), a forward state
         ctx.save_for_backward(n, gate, decoder)
-        ctx.scale = scale
+        ctx.scale, ctx.low_precision = scale, low_precision
         return n.view_as(n), n.new_zeros(gate.shape)
 
     @staticmethod
     def backward(ctx, true, code):
         n, gate, decoder = ctx.saved_tensors
         acc = torch.promote_types(true.dtype, torch.float32)
-        c, code, g, D = true.to(acc), code.to(acc), gate.to(acc), decoder.to(acc)
+        # The (B, T, d) products run in the gradient's own dtype when asked (bf16 under autocast: half the bytes
+        # of float32 and tensor-core rate); sums and the residual stay in float32 or better.
+        mm = true.dtype if ctx.low_precision and true.dtype in (torch.bfloat16, torch.float16) else acc
+        c, code, g, D = true.to(acc), code.to(acc), gate.to(acc), decoder.to(mm)
         gated = g * code  # (B, T, 2r)
-        predicted = gated @ D.t()  # (B, T, d)
+        predicted = (gated.to(mm) @ D.t()).to(acc)  # (B, T, d)
         residual = predicted - c
         true_sq = c.square().sum()
         # A branch whose true correction is exactly zero (zero-initialized projections) teaches nothing.
         weight = torch.where(true_sq > 0, 1.0 / true_sq.clamp_min(1e-300), torch.zeros_like(true_sq))
-        d_pred = (2.0 * ctx.scale) * weight * residual  # d(scale * loss)/d(prediction)
-        d_decoder = d_pred.flatten(0, 1).t() @ gated.flatten(0, 1)  # (d, 2r)
-        d_gated = d_pred @ D  # (B, T, 2r)
+        d_pred = ((2.0 * ctx.scale) * weight * residual).to(mm)  # d(scale * loss)/d(prediction)
+        d_decoder = d_pred.flatten(0, 1).t() @ gated.to(mm).flatten(0, 1)  # (d, 2r)
+        d_gated = (d_pred @ D).to(acc)  # (B, T, 2r)
         d_gate_pre = d_gated * code * g * (1.0 - g)
-        d_gate_weight = d_gate_pre.flatten(0, 1).t() @ n.to(acc).flatten(0, 1)  # (2r, d)
+        d_gate_weight = d_gate_pre.to(mm).flatten(0, 1).t() @ n.to(mm).flatten(0, 1)  # (2r, d)
         stats = torch.stack([residual.square().sum() * weight, (predicted * c).sum(), predicted.square().sum(),
                              true_sq])
-        return (true, d_gate_weight.to(decoder.dtype), d_decoder.to(decoder.dtype), d_gated * g, stats, None)
+        return (true, d_gate_weight.to(decoder.dtype), d_decoder.to(decoder.dtype), d_gated * g, stats, None, None)
 
 
 class FitCredit(ExactCredit):
     """Exact backprop that fits the learned predictor on the fly (see the module docstring)."""
 
     def __init__(self, predictor, scale: float, code_sink: torch.Tensor, stats_sink: torch.Tensor,
-                 error_probe: torch.Tensor):
-        self.predictor, self.scale = predictor, scale
+                 error_probe: torch.Tensor, low_precision: bool = False):
+        self.predictor, self.scale, self.low_precision = predictor, scale, low_precision
         self.code_sink, self.stats_sink, self.error_probe = code_sink, stats_sink, error_probe
         self.total = None
         self.x_terminal = None
@@ -70,7 +73,7 @@ class FitCredit(ExactCredit):
     def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
         p = self.predictor
         n_omit, slot = _FitBranch.apply(n, p.state_gates[index], p.decoders[index], self.code_sink,
-                                        self.stats_sink[index], self.scale)
+                                        self.stats_sink[index], self.scale, self.low_precision)
         self.total = slot if self.total is None else self.total + slot
         return n_omit
 
@@ -86,6 +89,7 @@ class Teacher:
     def __init__(self, predictor, cfg: CreditConfig):
         self.predictor = predictor
         self.optimizer = torch.optim.Adam(predictor.parameters(), lr=cfg.predictor_lr, betas=(0.9, 0.99))
+        self.low_precision = cfg.fit_precision == "auto"
         self.stats: list[torch.Tensor] = []
 
     def teach(self, trainer, inputs: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
@@ -97,7 +101,7 @@ class Teacher:
         code_sink = torch.zeros(B, T, 2 * p.rank, **sinks)
         stats_sink = torch.zeros(p.decoders.shape[0], len(STATS), **sinks)
         error_probe = torch.zeros(B, T, p.decoders.shape[1], **sinks)
-        credit = FitCredit(p, scale, code_sink, stats_sink, error_probe)
+        credit = FitCredit(p, scale, code_sink, stats_sink, error_probe, self.low_precision)
         forward = getattr(trainer, "_forward", None) or trainer.ddp or trainer.model
         with trainer.runtime.autocast():
             loss = forward(inputs, targets, credit=credit, loss_chunk=trainer.cfg.train.loss_chunk)
