@@ -31,7 +31,7 @@ def plot_arms(arms_json: Path, out: Path, name: str, note: str) -> Path:
     ax1.set_xlabel("s/update relative to native (last-six medians)")
     right = 1.12
     ax1.set_xlim(0.85, right)
-    ax1.legend(loc="upper right", fontsize=8)
+    ax1.legend(loc="lower right", fontsize=7)
     for y, r in enumerate(ratios):
         label = f"{r:.3f}" if r <= right else f"{r:.2f} (off scale)"
         ax1.text(min(r, right - 0.06), y, label, va="center", fontsize=8)
@@ -63,6 +63,55 @@ def plot_arm_rows(arms_json: Path, out: Path, name: str) -> Path:
     ax.set_xlabel("update")
     ax.set_ylabel("s/update")
     ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = out / name
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_recompute_tradeoff(arms_json: Path, out: Path, name: str) -> Path:
+    """s/update against peak memory for each choice of what the backward recomputes."""
+    data = json.loads(arms_json.read_text())
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    for r in (r for r in data["results"] if "oom" not in r):
+        ax.plot(r["peak_allocated_mib"], r["median_last6_s"], "o", color="#4c72b0")
+        ax.annotate(r["arm"], (r["peak_allocated_mib"], r["median_last6_s"]), fontsize=7,
+                    xytext=(4, 3), textcoords="offset points")
+    ax.axvline(21_301, color="#8172b2", ls=":", label="seed native 21,301 MiB")
+    ax.axhline(0.30, color="#c44e52", ls="--", label="target 0.30 s")
+    ax.set_xlabel("peak allocated MiB")
+    ax.set_ylabel("s/update (last-six median)")
+    ax.set_ylim(0.29, None)
+    ax.legend(fontsize=8, loc="lower left")
+    ax.set_title("What the backward recomputes: time vs peak (one process, side by side)", fontsize=10)
+    fig.tight_layout()
+    path = out / name
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_clocks(dmon_txt: Path, out: Path, name: str) -> Path:
+    """Board power and SM clock sampled every 2 s by `nvidia-smi dmon` during an arms run."""
+    header, rows = None, []
+    for line in dmon_txt.read_text().splitlines():
+        if line.startswith("# gpu"):
+            header = line[1:].split()
+        elif header and line.strip() and not line.startswith("#"):
+            rows.append(dict(zip(header, line.split())))
+    power = [float(r["pwr"]) for r in rows]
+    clock = [float(r["pclk"]) for r in rows]
+    t = [2 * i for i in range(len(rows))]
+    fig, ax1 = plt.subplots(figsize=(8, 3.4))
+    ax1.plot(t, power, color="#c44e52", lw=1, label="board power W")
+    ax1.axhline(700, color="#c44e52", ls=":", lw=0.8)
+    ax1.set_ylabel("W (limit 700)")
+    ax1.set_xlabel("seconds into the run (compilation between arms: low power)")
+    ax2 = ax1.twinx()
+    ax2.plot(t, clock, color="#4c72b0", lw=1, label="SM clock MHz")
+    ax2.set_ylabel("SM clock MHz (max 1980)")
+    fig.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     path = out / name
     fig.savefig(path, dpi=120)
@@ -110,6 +159,12 @@ def main() -> None:
     print(plot_arms(HERE / "results" / "arms_chunk_seed.json", out, "arms_chunk_seed.png",
                     "head-loss chunk 16,384 vs 8,192"))
     print(plot_arm_rows(HERE / "results" / "arms_kernel_seed.json", out, "arms_kernel_rows_seed.png"))
+    print(plot_arms(HERE / "results" / "arms_default_seed.json", out, "arms_default_seed.png",
+                    "recompute ReLU^2 only, head loss as one operator, chunk 8,192"))
+    print(plot_arm_rows(HERE / "results" / "arms_default_seed.json", out, "arms_default_rows_seed.png"))
+    print(plot_recompute_tradeoff(HERE / "results" / "arms_recompute_parts_seed.json", out,
+                                  "recompute_parts_seed.png"))
+    print(plot_clocks(HERE / "results" / "dmon_default_seed.txt", out, "clocks_seed.png"))
     print(plot_screens(HERE / "screen_records", out))
 
 
