@@ -104,8 +104,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     warmup: int = 0  # updates of linear warmup
     cooldown_frac: float = 0.4  # final fraction of updates with linear decay to zero
-    # Tokens per chunk of the fused head loss. At the seed shape the forward's peak is in the head loss
-    # (benchmarks/results/memory_native_seed.md): 8,192 peaks 1.7 GB lower than 16,384 (benchmarks/native_seed.md).
+    # Tokens per chunk of the fused head loss. With the head loss as one operator, 8,192 and 16,384 peak and run
+    # alike at the seed shape (benchmarks/native_seed.md); smaller chunks hold less on smaller models.
     loss_chunk: int = 8_192
     compile: str = "auto"  # auto (on CUDA) | on | off
     compile_mode: str = "default"  # default | coordinate-descent (tune fused kernels' launch configs) |
