@@ -25,8 +25,16 @@ from creditlab.credit.sources import AdjointCredit, CreditSource, OmitCredit
 from creditlab.model import ExactCredit, norm
 
 
+def cumsum(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    if torch.compiler.is_compiling() or dim in (-1, x.dim() - 1):
+        return x.cumsum(dim)
+    # Eager CUDA scans along an outer axis run one serial thread per column (0.34 ms for a (64, 2048, 32)
+    # float32 tensor on an H200); moved innermost, the scan is parallel. The compiler makes its own scan.
+    return x.movedim(dim, -1).contiguous().cumsum(-1).movedim(-1, dim)
+
+
 def reverse_cumsum(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-    return x.flip(dim).cumsum(dim).flip(dim)
+    return cumsum(x.flip(dim), dim).flip(dim)
 
 
 class Predictor(nn.Module):
@@ -76,7 +84,7 @@ class Predictor(nn.Module):
         with torch.no_grad():
             a, a_rev = self.mean_weights(x_terminal)
         h1, h2 = total.to(a.dtype).split(self.rank, dim=-1)
-        u = h1 + a * (h2 / a_rev).cumsum(dim=1)
+        u = h1 + a * cumsum(h2 / a_rev, dim=1)
         return u @ self.projection.detach().to(a.dtype)
 
 

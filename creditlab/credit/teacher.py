@@ -50,9 +50,12 @@ class _FitBranch(torch.autograd.Function):
         true_sq = c.square().sum()
         # A branch whose true correction is exactly zero (zero-initialized projections) teaches nothing.
         weight = torch.where(true_sq > 0, 1.0 / true_sq.clamp_min(1e-300), torch.zeros_like(true_sq))
-        d_pred = ((2.0 * ctx.scale) * weight * residual).to(mm)  # d(scale * loss)/d(prediction)
-        d_decoder = d_pred.flatten(0, 1).t() @ gated.to(mm).flatten(0, 1)  # (d, 2r)
-        d_gated = (d_pred @ D).to(acc)  # (B, T, 2r)
+        # d(scale * loss)/d(prediction) = 2 scale weight residual. The weight is a sum over the whole branch, so
+        # it scales the products' small outputs instead: the residual then needs one pass, not two.
+        factor = (2.0 * ctx.scale) * weight
+        r = residual.to(mm)
+        d_decoder = factor * (r.flatten(0, 1).t() @ gated.to(mm).flatten(0, 1)).to(acc)  # (d, 2r)
+        d_gated = factor * (r @ D).to(acc)  # (B, T, 2r)
         d_gate_pre = d_gated * code * g * (1.0 - g)
         d_gate_weight = d_gate_pre.to(mm).flatten(0, 1).t() @ n.to(mm).flatten(0, 1)  # (2r, d)
         stats = torch.stack([residual.square().sum() * weight, (predicted * c).sum(), predicted.square().sum(),
