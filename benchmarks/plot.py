@@ -17,6 +17,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 HERE = Path(__file__).resolve().parent
 
 
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_arms(arms_json: Path, out: Path, name: str, note: str) -> Path:
     data = json.loads(arms_json.read_text())
     results = [r for r in data["results"] if "oom" not in r]
@@ -44,11 +51,7 @@ def plot_arms(arms_json: Path, out: Path, name: str, note: str) -> Path:
     gpu = data["meta"]["env"].get("gpu")
     fig.suptitle(f"Seed preset, micro 64 x T 2048 x GA 4, {data['meta']['updates']} updates per arm, {gpu} "
                  f"({note})", fontsize=10)
-    fig.tight_layout()
-    path = out / name
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, out / name)
 
 
 def plot_arm_rows(arms_json: Path, out: Path, name: str) -> Path:
@@ -63,11 +66,7 @@ def plot_arm_rows(arms_json: Path, out: Path, name: str) -> Path:
     ax.set_xlabel("update")
     ax.set_ylabel("s/update")
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    path = out / name
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, out / name)
 
 
 def plot_recompute_tradeoff(arms_json: Path, out: Path, name: str) -> Path:
@@ -85,11 +84,7 @@ def plot_recompute_tradeoff(arms_json: Path, out: Path, name: str) -> Path:
     ax.set_ylim(0.29, None)
     ax.legend(fontsize=8, loc="lower left")
     ax.set_title("What the backward recomputes: time vs peak (one process, side by side)", fontsize=10)
-    fig.tight_layout()
-    path = out / name
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, out / name)
 
 
 def plot_clocks(dmon_txt: Path, out: Path, name: str) -> Path:
@@ -112,11 +107,7 @@ def plot_clocks(dmon_txt: Path, out: Path, name: str) -> Path:
     ax2.plot(t, clock, color="#4c72b0", lw=1, label="SM clock MHz")
     ax2.set_ylabel("SM clock MHz (max 1980)")
     fig.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    path = out / name
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, out / name)
 
 
 def plot_screens(records: Path, out: Path) -> Path:
@@ -139,11 +130,7 @@ def plot_screens(records: Path, out: Path) -> Path:
         ax.set_ylim(0.3, 0.4)
         ax.legend(fontsize=7, loc="upper right")
     axes[0].set_ylabel("s/update (first update: compilation, off scale)")
-    fig.tight_layout()
-    path = out / "screen_seed.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "screen_seed.png")
 
 
 def main() -> None:
