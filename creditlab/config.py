@@ -192,6 +192,8 @@ def _parse(raw, typ, key: str):
             return float(raw)
         if isinstance(raw, typ) and not (typ is int and isinstance(raw, bool)):
             return raw
+        if typ is str and isinstance(raw, bool):  # a field that once was a flag (model.recompute) in old records
+            return "true" if raw else "false"
         raise ConfigError(f"{key}: expected {typ.__name__}, got {raw!r}")
     try:
         if typ is bool:

@@ -40,3 +40,9 @@ def test_recompute_spec_errors_name_the_parts():
         assert config.load("tiny", [f"model.recompute={good}"]).model.recompute_parts == parts
     with pytest.raises(config.ConfigError, match="unknown part.*attn.*norm,qk,mlp"):
         config.load("tiny", ["model.recompute=attn,mlp"])
+
+
+def test_records_written_when_recompute_was_a_flag_still_load():
+    for flag, parts in ((True, {"norm", "qk", "mlp"}), (False, set())):
+        cfg = config.Config.from_dict({"model": {"recompute": flag}})
+        assert cfg.model.recompute_parts == parts
