@@ -28,8 +28,8 @@ class ModelConfig:
     vocab_pad_multiple: int = 64  # the head is padded for speed; FLOPs count the true vocabulary
     # Pointwise work redone in the backward instead of kept: any of norm (the blocks' RMSNorms), qk (QK-norm and
     # rotary), mlp (ReLU^2), comma-separated; "all" or "none" (true/false read as all/none). At the seed shape
-    # "mlp" keeps 4 GB less than "none" for about 1% more time; "all" keeps 4 GB less again for 6% more time
-    # (benchmarks/native_seed.md).
+    # on an H200, "mlp" peaks 3.6 GB lower than "none" at the same speed (-0.8% and +1.4% in two runs); "all"
+    # peaks 3.7 GB lower again but is 6-7% slower (benchmarks/native_seed.md).
     recompute: str = "mlp"
 
     @property
