@@ -1,0 +1,33 @@
+"""The benchmark's arm names resolve to valid configs on the CPU, before any GPU time is spent on them."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from creditlab import config
+
+ARMS_PY = Path(__file__).resolve().parents[1] / "benchmarks" / "arms.py"
+
+
+def _arms_module():
+    spec = importlib.util.spec_from_file_location("bench_arms", ARMS_PY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_arm_and_modifier_is_a_valid_seed_config():
+    arms = _arms_module()
+    names = list(arms.ARMS) + [f"native+{m}" for m in arms.MODIFIERS] + ["native+keep_mlp+tuned"]
+    for name in names:
+        cfg = config.load("seed", arms.overrides_of(name))
+        assert cfg.model.layers == 8, name
+    assert config.load("seed", arms.overrides_of("native+keep_norm_qk")).model.recompute_parts == {"mlp"}
+    assert config.load("seed", arms.overrides_of("teacher+fit32")).credit.fit_precision == "float32"
+
+
+def test_a_misspelt_arm_is_refused_with_the_valid_names():
+    arms = _arms_module()
+    with pytest.raises(SystemExit, match="unknown arm part.*keep_mpl.*modifiers: tuned"):
+        arms.overrides_of("native+keep_mpl")
