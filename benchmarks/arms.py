@@ -37,30 +37,27 @@ ARMS = {
     "learned_materialized": ["credit.source=learned", "credit.teacher_every=0", "credit.materialized=true"],
     "teacher": ["credit.source=learned", "credit.teacher_every=1"],
     "dfa": ["credit.source=dfa"],
-    "native_plain": ["credit.source=exact", "model.recompute=false"],
-    "native_autotune": ["credit.source=exact", "train.compile_mode=max-autotune-no-cudagraphs"],
-    "native_chunk16k": ["credit.source=exact", "train.loss_chunk=16384"],
-    "native_plain16k": ["credit.source=exact", "model.recompute=false", "train.loss_chunk=16384"],
-    "native_eager": ["credit.source=exact", "train.compile=off"],
-    "native_cudnn": ["credit.source=exact", "train.sdpa=cudnn"],
-    "native_flash": ["credit.source=exact", "train.sdpa=flash"],
-    "native_chunk4k": ["credit.source=exact", "train.loss_chunk=4096"],
-    "native_budget07": ["credit.source=exact", "train.activation_budget=0.7"],
-    "native_budget05": ["credit.source=exact", "train.activation_budget=0.5"],
+    "native_plain": ["credit.source=exact", "model.recompute=none"],
 }
 
 
 # Modifiers join an arm with "+": `native+keep_mlp+tuned` is native, keeping ReLU^2, with tuned kernels.
 MODIFIERS = {
     "tuned": ["train.compile_mode=coordinate-descent"],
+    "autotune": ["train.compile_mode=max-autotune-no-cudagraphs"],
+    "eager": ["train.compile=off"],
     "keep_mlp": ["model.recompute=norm,qk"],
     "keep_norm": ["model.recompute=qk,mlp"],
     "keep_qk": ["model.recompute=norm,mlp"],
     "keep_norm_qk": ["model.recompute=mlp"],
     "recompute_all": ["model.recompute=all"],
     "flash": ["train.sdpa=flash"],
+    "cudnn": ["train.sdpa=cudnn"],
     "fit32": ["credit.fit_precision=float32"],
+    "chunk4k": ["train.loss_chunk=4096"],
     "chunk16k": ["train.loss_chunk=16384"],
+    "budget07": ["train.activation_budget=0.7"],
+    "budget05": ["train.activation_budget=0.5"],
 }
 
 
@@ -132,7 +129,8 @@ def memory_at_peak(trainer: Trainer, path: Path) -> None:
 def run_arm(name: str, base: config_mod.Config, init_state: dict, updates: int,
             profile_to: Path | None = None, memory_to: Path | None = None) -> dict:
     cfg = copy.deepcopy(base)
-    for item in overrides_of(name):
+    overrides = overrides_of(name)
+    for item in overrides:
         key, _, value = item.partition("=")
         config_mod._assign(cfg, key, value)
     config_mod.validate(cfg)
@@ -162,7 +160,7 @@ def run_arm(name: str, base: config_mod.Config, init_state: dict, updates: int,
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     rows = trainer.run(updates, progress=False)
-    out = {"arm": name, "overrides": overrides_of(name), "init_sha256": init_sha, "rows": [row_dict(r) for r in rows],
+    out = {"arm": name, "overrides": overrides, "init_sha256": init_sha, "rows": [row_dict(r) for r in rows],
            "wall_s": time.perf_counter() - start, "first_update_s": rows[0].seconds,
            "saved_by_forward_mib": saved[-1]}
     window = [r for r in rows[-6:]]
@@ -211,6 +209,8 @@ def main() -> int:
     ap.add_argument("--profile", default="", help="comma-separated arms to profile after their timed updates")
     ap.add_argument("--memory", default="", help="comma-separated arms whose memory peak to break down")
     args = ap.parse_args()
+    for name in args.arms.split(","):
+        overrides_of(name)  # fail on a misspelt arm before any GPU time is spent
     if not torch.cuda.is_available():
         print("this benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -223,8 +223,6 @@ def main() -> int:
     meta = {"preset": args.preset, "overrides": args.overrides, "updates": args.updates,
             "env": rt.environment(runtime), "matmul_tflops": base_peak, "config": base.to_dict()}
     results = []
-    for name in args.arms.split(","):
-        overrides_of(name)  # fail on a misspelt arm before any GPU time is spent
     for name in args.arms.split(","):
         print(f"== arm {name}", flush=True)
         try:

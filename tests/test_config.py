@@ -193,9 +193,5 @@ def test_from_dict_reads_strings_as_overrides_do():
 
 
 def test_an_unknown_compile_mode_is_an_error_naming_the_modes():
-    import pytest
-
-    from creditlab import config
-
     with pytest.raises(config.ConfigError, match="max-autotune-no-cudagraphs"):
         config.load("tiny", ["train.compile_mode=fastest"])
