@@ -35,6 +35,7 @@ def plot_arms(arms_json: Path, out: Path, name: str, note: str) -> Path:
     ax1.barh(names, ratios, color="#4c72b0")
     ax1.axvline(0.9066667, color="#c44e52", ls="--", label="screen gate 0.9067")
     ax1.axvline(1.0, color="grey", lw=0.8)
+    ax1.axvline(1.10, color="#dd8452", ls=":", label="teacher gate 1.10")
     ax1.set_xlabel("s/update relative to native (last-six medians)")
     right = 1.12
     ax1.set_xlim(0.85, right)
@@ -149,6 +150,10 @@ def main() -> None:
     print(plot_arms(HERE / "results" / "arms_default_seed.json", out, "arms_default_seed.png",
                     "recompute ReLU^2 only, head loss as one operator, chunk 8,192"))
     print(plot_arm_rows(HERE / "results" / "arms_default_seed.json", out, "arms_default_rows_seed.png"))
+    print(plot_arms(HERE / "results" / "arms_teacher_fit_seed.json", out, "arms_teacher_fit_seed.png",
+                    "teacher fit products in bf16 vs float32"))
+    print(plot_arms(HERE / "results" / "arms_teacher_onepass_seed.json", out, "arms_teacher_onepass_seed.png",
+                    "teacher with one pass over its residual"))
     print(plot_recompute_tradeoff(HERE / "results" / "arms_recompute_parts_seed.json", out,
                                   "recompute_parts_seed.png"))
     print(plot_clocks(HERE / "results" / "dmon_default_seed.txt", out, "clocks_seed.png"))
