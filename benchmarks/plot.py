@@ -37,7 +37,7 @@ def plot_arms(arms_json: Path, out: Path, name: str, note: str) -> Path:
     ax1.axvline(1.0, color="grey", lw=0.8)
     ax1.axvline(1.10, color="#dd8452", ls=":", label="teacher gate 1.10")
     ax1.set_xlabel("s/update relative to native (last-six medians)")
-    right = 1.12
+    right = 1.2
     ax1.set_xlim(0.85, right)
     ax1.legend(loc="lower right", fontsize=7)
     for y, r in enumerate(ratios):
