@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -290,6 +291,12 @@ def test_fused_fit_gradient_equals_the_explicit_regression_gradient():
     assert max(checks._rel_errors(teacher_model_grads, native).values()) <= 1e-12
     summary = teacher.summarize()
     assert len(summary["fit_branches"]) == SMALL.branches and summary["fit_error"] > 0
+    # The per-branch metrics, computed in rank space, are the explicit error and cosine of the prediction.
+    for b, (p, c) in enumerate(zip(predicted, corrections)):
+        p, c = p.detach(), c.detach()
+        fit = summary["fit_branches"][str(b)]
+        assert fit["error"] == pytest.approx(float((p - c).square().sum() / c.square().sum()), rel=1e-9)
+        assert fit["cosine"] == pytest.approx(float((p * c).sum() / (p.norm() * c.norm())), rel=1e-9)
 
 
 def test_low_precision_fit_products_match_float32_within_bf16_rounding():

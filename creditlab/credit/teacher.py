@@ -40,27 +40,33 @@ class _FitBranch(torch.autograd.Function):
     def backward(ctx, true, code):
         n, gate, decoder = ctx.saved_tensors
         acc = torch.promote_types(true.dtype, torch.float32)
-        # The (B, T, d) products run in the gradient's own dtype when asked (bf16 under autocast: half the bytes
-        # of float32 and tensor-core rate); sums and the residual stay in float32 or better.
+        # The products over (B, T, d) run in the gradient's own dtype when asked (bf16 under autocast: half the
+        # bytes of float32 and tensor-core rate); sums and everything of rank size stay in float32 or better.
         mm = true.dtype if ctx.low_precision and true.dtype in (torch.bfloat16, torch.float16) else acc
-        c, code, g, D = true.to(acc), code.to(acc), gate.to(acc), decoder.to(mm)
-        gated = g * code  # (B, T, 2r)
-        predicted = (gated.to(mm) @ D.t()).to(acc)  # (B, T, d)
-        residual = predicted - c
-        true_sq = c.square().sum()
+        D = decoder.to(acc)
+        gated = gate.to(acc) * code.to(acc)  # (B, T, 2r)
+        # Everything the fit needs of the prediction D (g * code) - c is done in rank space: with
+        # M = D^T D, |pred|^2 = sum gated M gated and <pred, c> = sum gated (c D). The (B, T, d) prediction and
+        # residual are never formed; the true correction is read by two thin products and one sum.
+        c = true.to(mm)
+        c_decoded = (c @ D.to(mm)).to(acc)  # c D (B, T, 2r)
+        c_gated = (c.flatten(0, 1).t() @ gated.to(mm).flatten(0, 1)).to(acc)  # c^T gated (d, 2r)
+        true_sq = true.to(acc).square().sum()
+        gated_m = gated @ (D.t() @ D)  # gated M (B, T, 2r)
+        pred_sq, pred_dot_true = (gated_m * gated).sum(), (c_decoded * gated).sum()
         # A branch whose true correction is exactly zero (zero-initialized projections) teaches nothing.
         weight = torch.where(true_sq > 0, 1.0 / true_sq.clamp_min(1e-300), torch.zeros_like(true_sq))
-        # d(scale * loss)/d(prediction) = 2 scale weight residual. The weight is a sum over the whole branch, so
-        # it scales the products' small outputs instead: the residual then needs one pass, not two.
+        # d(scale * weight * |pred - c|^2)/d(pred) = 2 scale weight (pred - c), pulled back to D and to gated:
         factor = (2.0 * ctx.scale) * weight
-        r = residual.to(mm)
-        d_decoder = factor * (r.flatten(0, 1).t() @ gated.to(mm).flatten(0, 1)).to(acc)  # (d, 2r)
-        d_gated = factor * (r @ D).to(acc)  # (B, T, 2r)
-        d_gate_pre = d_gated * code * g * (1.0 - g)
+        gram = gated.flatten(0, 1).t() @ gated.flatten(0, 1)  # gated^T gated (2r, 2r)
+        d_decoder = factor * (D @ gram - c_gated)  # (pred - c)^T gated
+        d_gated = factor * (gated_m - c_decoded)  # (pred - c) D
+        d_gate_pre = d_gated * code.to(acc) * gate.to(acc) * (1.0 - gate.to(acc))
         d_gate_weight = d_gate_pre.to(mm).flatten(0, 1).t() @ n.to(mm).flatten(0, 1)  # (2r, d)
-        stats = torch.stack([residual.square().sum() * weight, (predicted * c).sum(), predicted.square().sum(),
-                             true_sq])
-        return (true, d_gate_weight.to(decoder.dtype), d_decoder.to(decoder.dtype), d_gated * g, stats, None, None)
+        sq_error = pred_sq - 2.0 * pred_dot_true + true_sq
+        stats = torch.stack([sq_error * weight, pred_dot_true, pred_sq, true_sq])
+        return (true, d_gate_weight.to(decoder.dtype), d_decoder.to(decoder.dtype), d_gated * gate.to(acc), stats,
+                None, None)
 
 
 class FitCredit(ExactCredit):
