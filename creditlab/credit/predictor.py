@@ -73,9 +73,7 @@ class Predictor(nn.Module):
     # ---- its adjoint, for streaming injection -----------------------------------------------------------
     def branch_adjoint(self, b: int, n: torch.Tensor) -> torch.Tensor:
         """g_b * (n_b D_b): the branch's share of the adjoint, (B, T, 2r). Only n carries gradient."""
-        with torch.no_grad():
-            g = self.gate(b, n)
-        return g * (n @ self.decoders[b].detach().to(n.dtype))
+        return _GatedAdjoint.apply(n, self.state_gates[b].detach(), self.decoders[b].detach())
 
     def terminal_adjoint(self, total: torch.Tensor, x_terminal: torch.Tensor) -> torch.Tensor:
         """Z (B, T, d) whose VJP with e is, for every branch input, that branch's correction.
@@ -86,6 +84,24 @@ class Predictor(nn.Module):
         h1, h2 = total.to(a.dtype).split(self.rank, dim=-1)
         u = h1 + a * cumsum(h2 / a_rev, dim=1)
         return u @ self.projection.detach().to(a.dtype)
+
+
+class _GatedAdjoint(torch.autograd.Function):
+    """g * (n D) with the state gate g = sigmoid(n G^T): gate and code from one product of the branch input
+    (one read of n instead of two). Its backward is the branch's decode, (grad * g) D^T."""
+
+    @staticmethod
+    def forward(ctx, n, gate_weight, decoder):
+        both = n @ torch.cat([gate_weight.t(), decoder], dim=1).to(n.dtype)  # (B, T, 4r)
+        gate_pre, coded = both.chunk(2, dim=-1)
+        gate = torch.sigmoid(gate_pre)
+        ctx.save_for_backward(gate, decoder)
+        return gate * coded
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, decoder = ctx.saved_tensors
+        return (grad * gate) @ decoder.t().to(grad.dtype), None, None
 
 
 class LearnedSource(CreditSource):
