@@ -5,6 +5,11 @@
 An arm is a name from ARMS (a set of config overrides). Each arm starts from the same state-dict bytes and
 reads the same micro-batches; per update it records synchronized wall time, loss and peak memory. Results go
 to DIR/arms.json and DIR/arms.md (last-six medians, ratios against the first arm).
+
+By default the arms are interleaved: all are built and compiled first, then each round runs one update of
+every arm, so the board's drift in clock and temperature under its power limit falls on all arms alike
+(run back to back, the same arm's median moves by 5-10 ms between runs). `--schedule sequential` runs each
+arm's updates back to back, alone on the GPU, which also gives each arm's own reserved memory.
 """
 
 from __future__ import annotations
@@ -58,6 +63,13 @@ MODIFIERS = {
     "chunk16k": ["train.loss_chunk=16384"],
     "budget07": ["train.activation_budget=0.7"],
     "budget05": ["train.activation_budget=0.5"],
+}
+
+
+SCHEDULES = {
+    "interleaved": "arms interleaved (one update of each per round, order rotated each round), all resident; "
+                   "peak allocated counts an arm's own bytes, reserved memory is shared",
+    "sequential": "arms run one after another, each alone on the GPU",
 }
 
 
@@ -126,17 +138,16 @@ def memory_at_peak(trainer: Trainer, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def run_arm(name: str, base: config_mod.Config, init_state: dict, updates: int,
-            profile_to: Path | None = None, memory_to: Path | None = None) -> dict:
+def build_arm(name: str, base: config_mod.Config, init_state: dict) -> dict:
+    """One arm's trainer, compiled and warmed (one forward and backward, no optimizer step, data rewound)."""
     cfg = copy.deepcopy(base)
     overrides = overrides_of(name)
     for item in overrides:
         key, _, value = item.partition("=")
         config_mod._assign(cfg, key, value)
     config_mod.validate(cfg)
-    # Every arm compiles the same code objects; without a reset, the compiler's per-function cache limit
-    # (8 entries) is reached after a few arms and later arms silently run eagerly.
-    torch._dynamo.reset()
+    torch.cuda.synchronize()
+    allocated_before = torch.cuda.memory_allocated()
     runtime = rt.resolve(cfg.train)
     model = build_model(cfg, runtime)
     model.load_state_dict(init_state)
@@ -156,45 +167,86 @@ def run_arm(name: str, base: config_mod.Config, init_state: dict, updates: int,
         saved.append((torch.cuda.memory_allocated() - before) / 2**20)
         loss.backward()
         trainer.optimizers.zero_grad()
+        del loss
     trainer.loader.position = 0
-    torch.cuda.reset_peak_memory_stats()
+    gc.collect()
+    torch.cuda.synchronize()
+    return {"name": name, "overrides": overrides, "init_sha256": init_sha, "trainer": trainer, "rows": [],
+            "saved_by_forward_mib": saved[-1], "resident": torch.cuda.memory_allocated() - allocated_before,
+            "wall_s": 0.0}
+
+
+def run_update(arm: dict) -> None:
+    """One timed update of an arm. Its memory peak is counted as if the arm ran alone: the bytes other arms
+    keep resident (allocated before the update, less this arm's own resident bytes) are taken off."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
     start = time.perf_counter()
-    rows = trainer.run(updates, progress=False)
-    out = {"arm": name, "overrides": overrides, "init_sha256": init_sha, "rows": [row_dict(r) for r in rows],
-           "wall_s": time.perf_counter() - start, "first_update_s": rows[0].seconds,
-           "saved_by_forward_mib": saved[-1]}
-    window = [r for r in rows[-6:]]
+    row = arm["trainer"].train_update()
+    arm["wall_s"] += time.perf_counter() - start
+    others = before - arm["resident"]
+    row.peak_allocated_mib -= others / 2**20
+    if arm.get("shared"):  # reserved memory is one pool for all arms: not an arm's own figure
+        row.peak_reserved_mib = None
+    arm["resident"] += torch.cuda.memory_allocated() - before  # what the update left alive (optimizer state)
+    arm["rows"].append(row)
+
+
+def rotation(names: list, update: int) -> list:
+    """The order of the arms in one round: rotated each round, so no arm always follows the same one."""
+    k = update % len(names)
+    return names[k:] + names[:k]
+
+
+def summarize_arm(arm: dict) -> dict:
+    rows = arm["rows"]
+    out = {"arm": arm["name"], "overrides": arm["overrides"], "init_sha256": arm["init_sha256"],
+           "rows": [row_dict(r) for r in rows], "wall_s": arm["wall_s"], "first_update_s": rows[0].seconds,
+           "saved_by_forward_mib": arm["saved_by_forward_mib"]}
+    window = rows[-6:]
     out["median_last6_s"] = statistics.median(r.seconds for r in window)
     out["median_last6_tokens_per_s"] = statistics.median(r.tokens_per_s for r in window)
     out["median_last6_mfu"] = statistics.median(r.mfu for r in window) if window[0].mfu is not None else None
     out["peak_allocated_mib"] = max(r.peak_allocated_mib for r in rows[1:] or rows)
-    out["peak_reserved_mib"] = max(r.peak_reserved_mib for r in rows[1:] or rows)
+    reserved = [r.peak_reserved_mib for r in rows[1:] or rows if r.peak_reserved_mib is not None]
+    out["peak_reserved_mib"] = max(reserved) if reserved else None
     out["loss_last"] = rows[-1].loss
+    return out
+
+
+def diagnose(arm: dict, profile_to: Path | None, memory_to: Path | None) -> None:
     if profile_to is not None:
-        profile(trainer, profile_to)
+        profile(arm["trainer"], profile_to)
     if memory_to is not None:
         try:
-            memory_at_peak(trainer, memory_to)
+            memory_at_peak(arm["trainer"], memory_to)
         except Exception as exc:  # noqa: BLE001 - a diagnostic must not lose the arm's timings
             memory_to.write_text(f"memory trace failed: {type(exc).__name__}: {exc}\n")
-    del trainer, model
+
+
+def release(arm: dict) -> None:
+    arm.pop("trainer", None)
     gc.collect()
     torch.cuda.empty_cache()
-    return out
+
+
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
 
 
 def markdown(results: list[dict], meta: dict) -> str:
     base = results[0]["median_last6_s"]
     lines = [f"GPU: {meta['env'].get('gpu')}, torch {meta['env']['torch']}, CUDA {meta['env']['cuda']}, "
              f"driver {meta['env'].get('driver')}; bf16 matmul rate measured in this run: "
-             f"{meta['matmul_tflops']:.0f} TFLOP/s; {meta['updates']} updates per arm, last-six medians.",
+             f"{meta['matmul_tflops']:.0f} TFLOP/s; {meta['updates']} updates per arm, last-six medians; "
+             f"{SCHEDULES[meta['schedule']]}",
              "", "| arm | s/update | ratio vs " + results[0]["arm"] + " | tokens/s | MFU | peak alloc MiB | "
              "peak reserved MiB | first update s | last loss |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         mfu = f"{100 * r['median_last6_mfu']:.1f}%" if r["median_last6_mfu"] is not None else "-"
         lines.append(f"| {r['arm']} | {r['median_last6_s']:.4f} | {r['median_last6_s'] / base:.4f} | "
                      f"{r['median_last6_tokens_per_s']:,.0f} | {mfu} | {r['peak_allocated_mib']:,.0f} | "
-                     f"{r['peak_reserved_mib']:,.0f} | {r['first_update_s']:.1f} | {r['loss_last']:.4f} |")
+                     f"{_mib(r['peak_reserved_mib'])} | {r['first_update_s']:.1f} | {r['loss_last']:.4f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -208,6 +260,10 @@ def main() -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--profile", default="", help="comma-separated arms to profile after their timed updates")
     ap.add_argument("--memory", default="", help="comma-separated arms whose memory peak to break down")
+    ap.add_argument("--schedule", choices=tuple(SCHEDULES), default="interleaved",
+                    help="interleaved: one update of each arm per round, all arms resident (drift in clocks and "
+                         "temperature falls on every arm alike); sequential: each arm's updates back to back, "
+                         "alone on the GPU (per-arm reserved memory)")
     args = ap.parse_args()
     for name in args.arms.split(","):
         overrides_of(name)  # fail on a misspelt arm before any GPU time is spent
@@ -219,27 +275,93 @@ def main() -> int:
     base = config_mod.load(args.preset, args.overrides)
     runtime = rt.resolve(base.train)
     base_peak = rt.measure_matmul_tflops(runtime)
-    init_state = {k: v.clone() for k, v in build_model(base, runtime).state_dict().items()}
-    meta = {"preset": args.preset, "overrides": args.overrides, "updates": args.updates,
+    # Kept on the host, so it is in no arm's memory figures.
+    init_state = {k: v.detach().cpu().clone() for k, v in build_model(base, runtime).state_dict().items()}
+    gc.collect()
+    torch.cuda.empty_cache()
+    meta = {"preset": args.preset, "overrides": args.overrides, "updates": args.updates, "schedule": args.schedule,
             "env": rt.environment(runtime), "matmul_tflops": base_peak, "config": base.to_dict()}
-    results = []
-    for name in args.arms.split(","):
-        print(f"== arm {name}", flush=True)
-        try:
-            prof = out / f"profile_{name}.txt" if name in args.profile.split(",") else None
-            mem = out / f"memory_{name}.md" if name in args.memory.split(",") else None
-            results.append(run_arm(name, base, init_state, args.updates, prof, mem))
-        except torch.OutOfMemoryError as exc:
-            results.append({"arm": name, "oom": str(exc)[:2000]})
-            print(f"arm {name}: out of memory", flush=True)
+    names = args.arms.split(",")
+    profiled, traced = set(args.profile.split(",")), set(args.memory.split(","))
+    results = {}
+
+    def save() -> None:
+        done = [results[n] for n in names if n in results]
+        (out / "arms.json").write_text(json.dumps({"meta": meta, "results": done}, indent=2, default=str))
+
+    def report(r: dict) -> None:
+        if "oom" in r:
+            print(f"arm {r['arm']}: out of memory", flush=True)
+            return
+        print(f"arm {r['arm']}: {r['median_last6_s']:.4f} s/update, peak {r['peak_allocated_mib']:,.0f} MiB "
+              f"(one forward keeps {r['saved_by_forward_mib']:,.0f} MiB) (reserved {_mib(r['peak_reserved_mib'])}), "
+              f"first update {r['first_update_s']:.1f} s", flush=True)
+
+    def out_of_memory(name: str, exc: Exception) -> None:
+        results[name] = {"arm": name, "oom": str(exc)[:2000]}
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    def diagnostics(arm: dict) -> None:
+        name = arm["name"]
+        diagnose(arm, out / f"profile_{name}.txt" if name in profiled else None,
+                 out / f"memory_{name}.md" if name in traced else None)
+
+    if args.schedule == "sequential":
+        for name in names:
+            print(f"== arm {name}", flush=True)
+            # Every arm compiles the same code objects; without a reset, the compiler's per-function cache limit
+            # is reached after a few arms and later arms silently run eagerly.
+            torch._dynamo.reset()
+            try:
+                arm = build_arm(name, base, init_state)
+                for _ in range(args.updates):
+                    run_update(arm)
+                results[name] = summarize_arm(arm)
+                diagnostics(arm)
+            except torch.OutOfMemoryError as exc:
+                out_of_memory(name, exc)
+            arm = None
             gc.collect()
             torch.cuda.empty_cache()
-        r = results[-1]
-        if "oom" not in r:
-            print(f"arm {name}: {r['median_last6_s']:.4f} s/update, peak {r['peak_allocated_mib']:,.0f} MiB "
-                  f"(one forward keeps {r['saved_by_forward_mib']:,.0f} MiB) "
-                  f"(reserved {r['peak_reserved_mib']:,.0f}), first update {r['first_update_s']:.1f} s", flush=True)
-        (out / "arms.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2, default=str))
+            report(results[name])
+            save()
+    else:
+        # All arms resident at once (each keeps its parameters and optimizer state, about 1 GB at the seed
+        # preset); every compiled variant stays cached, so the compiler's cache limit is raised.
+        for limit in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, limit):
+                setattr(torch._dynamo.config, limit, max(64, getattr(torch._dynamo.config, limit)))
+        arms = {}
+        for name in names:
+            print(f"== build {name}", flush=True)
+            try:
+                arms[name] = build_arm(name, base, init_state) | {"shared": True}
+            except torch.OutOfMemoryError as exc:
+                out_of_memory(name, exc)
+                report(results[name])
+        live = [n for n in names if n in arms]
+        for update in range(args.updates):
+            for name in rotation(live, update):
+                if name in results:  # out of memory earlier
+                    continue
+                try:
+                    run_update(arms[name])
+                except torch.OutOfMemoryError as exc:
+                    release(arms[name])
+                    out_of_memory(name, exc)
+            print(f"round {update + 1}/{args.updates}: " + ", ".join(
+                f"{n} {arms[n]['rows'][-1].seconds:.4f}" for n in live if n not in results), flush=True)
+        for name in live:
+            if name not in results:
+                results[name] = summarize_arm(arms[name])
+                diagnostics(arms[name])
+            release(arms[name])
+            report(results[name])
+        save()
+    meta["reserved_peak_all_arms_mib"] = torch.cuda.max_memory_reserved() / 2**20
+    save()
+    results = [results[n] for n in names if n in results]
     ok = [r for r in results if "oom" not in r]
     if ok:
         table = markdown(ok, meta)

@@ -31,3 +31,12 @@ def test_a_misspelt_arm_is_refused_with_the_valid_names():
     arms = _arms_module()
     with pytest.raises(SystemExit, match="unknown arm part.*keep_mpl.*modifiers: tuned"):
         arms.overrides_of("native+keep_mpl")
+
+
+def test_interleaved_rounds_put_every_arm_in_every_position_equally():
+    arms = _arms_module()
+    names = ["native", "zero", "learned", "teacher"]
+    rounds = [arms.rotation(names, u) for u in range(2 * len(names))]
+    assert all(sorted(r) == sorted(names) for r in rounds)
+    for position in range(len(names)):
+        assert sorted(r[position] for r in rounds) == sorted(names * 2)
