@@ -319,3 +319,23 @@ def test_low_precision_fit_products_match_float32_within_bf16_rounding():
     for low, ref in zip(grads(True), grads(False)):
         rel = (low - ref).norm() / ref.norm()
         assert 0 < rel < 2e-2, rel  # measured 1e-3 to 4e-3
+
+
+def test_compiled_code_objective_gives_the_eager_gradients():
+    """The teacher's code-space step runs compiled on the GPU; compiled, its gradients into the projection and
+    the mean gate are the eager ones (float64)."""
+    from creditlab.credit.teacher import code_objective
+
+    torch.manual_seed(5)
+    predictor = Predictor(SMALL, rank=4).double()
+    B, T, d = 2, 16, SMALL.width
+    e, x, code_grad = torch.randn(B, T, d).double(), torch.randn(B, T, d).double(), torch.randn(B, T, 8).double()
+
+    def grads(fn):
+        predictor.zero_grad(set_to_none=True)
+        fn(predictor, e, x, code_grad).backward()
+        return [p.grad.clone() for p in (predictor.projection, predictor.mean_gate, predictor.mean_bias)]
+
+    for compiled, eager in zip(grads(torch.compile(code_objective, fullgraph=True)), grads(code_objective)):
+        assert eager.abs().max() > 0
+        torch.testing.assert_close(compiled, eager, rtol=1e-10, atol=1e-12)

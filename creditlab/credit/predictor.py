@@ -11,7 +11,7 @@ with a_s = sigmoid(w . norm(x_L)_s + beta) a forward state at the tap. Credit at
 positions s >= t (the reverse mean), and c is linear in e because every gate is a forward state.
 
 Streaming (the default) never builds the 16 corrections at the tap: it injects through the adjoint
-(credit/sources.py), so each c_b is decoded by autograd when the backward reaches branch b, and freed after
+(credit/sources.py; the tap hands the code of e to every branch's share), so each c_b is decoded by autograd when the backward reaches branch b, and freed after
 its norm VJP consumed it. `materialized=True` decodes all 16 at the tap instead, to measure what that costs.
 """
 
@@ -75,15 +75,31 @@ class Predictor(nn.Module):
         """g_b * (n_b D_b): the branch's share of the adjoint, (B, T, 2r). Only n carries gradient."""
         return _GatedAdjoint.apply(n, self.state_gates[b].detach(), self.decoders[b].detach())
 
-    def terminal_adjoint(self, total: torch.Tensor, x_terminal: torch.Tensor) -> torch.Tensor:
-        """Z (B, T, d) whose VJP with e is, for every branch input, that branch's correction.
+    def tap(self, x_terminal: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        """x_L unchanged, carrying the adjoint term for the branches' summed shares `total` (B, T, 2r).
 
-        <h, [p ; m]> = sum_s p_s . (h1_s + a_s sum_{t<=s} h2_t / A_t), so Z = (h1 + a * cumsum(h2 / A)) P."""
+        The term is Z = (h1 + a * cumsum(h2 / A)) P for total = [h1 ; h2], since <total, [p ; m]> =
+        sum_s p_s . (h1_s + a_s sum_{t<=s} h2_t / A_t). Its VJP with e, handed to total, is the code [p ; m]
+        itself, so the tap computes that in the backward and never forms Z in the forward."""
         with torch.no_grad():
             a, a_rev = self.mean_weights(x_terminal)
-        h1, h2 = total.to(a.dtype).split(self.rank, dim=-1)
-        u = h1 + a * cumsum(h2 / a_rev, dim=1)
-        return u @ self.projection.detach().to(a.dtype)
+        return _CodeTap.apply(x_terminal, total, self, a, a_rev)
+
+
+class _CodeTap(torch.autograd.Function):
+    """The identity on x_L; its backward hands the terminal error on and gives the summed branch terms the
+    code of the terminal error: the gradients of adding Z - Z.detach(), without Z."""
+
+    @staticmethod
+    def forward(ctx, x, total, predictor, a, a_rev):
+        ctx.predictor, ctx.total_dtype = predictor, total.dtype
+        ctx.save_for_backward(a, a_rev)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, e):
+        a, a_rev = ctx.saved_tensors
+        return e, ctx.predictor.code(e, a, a_rev).to(ctx.total_dtype), None, None, None
 
 
 class _GatedAdjoint(torch.autograd.Function):
@@ -117,7 +133,7 @@ class LearnedSource(CreditSource):
     def step(self) -> OmitCredit:
         if self.materialized:
             return MaterializedCredit(self.predictor)
-        return AdjointCredit(self.predictor.branch_adjoint, self.predictor.terminal_adjoint)
+        return AdjointCredit(self.predictor.branch_adjoint, self.predictor.tap)
 
     def teach(self, trainer, inputs, targets, scale: float) -> torch.Tensor:
         from creditlab.credit.teacher import Teacher

@@ -136,11 +136,11 @@ class AdjointCredit(OmitCredit):
     """Corrections linear in the terminal error, c_b = M_b(e), injected through the adjoint term at the tap.
 
     `branch_term(b, n)` returns this branch's share of the adjoint (any shape the source likes, summed over
-    branches as the forward goes); `adjoint(total, x)` turns the sum into Z, shaped like x, whose VJP with e
-    gives M_b(e) for every n_b."""
+    branches as the forward goes); `tap(x, total)` returns x_L carrying `Z(total) - Z(total).detach()`, or
+    anything with the same gradients, so that the VJP with e gives M_b(e) for every n_b."""
 
-    def __init__(self, branch_term, adjoint):
-        self.branch_term, self.adjoint = branch_term, adjoint
+    def __init__(self, branch_term, tap):
+        self.branch_term, self.tap = branch_term, tap
         self.total = None
 
     def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
@@ -149,7 +149,7 @@ class AdjointCredit(OmitCredit):
         return n.detach()
 
     def terminal(self, x: torch.Tensor) -> torch.Tensor:
-        return x + zero_valued(self.adjoint(self.total, x)).to(x.dtype)
+        return self.tap(x, self.total)
 
 
 class DFASource(CreditSource):
@@ -167,7 +167,7 @@ class DFASource(CreditSource):
         return n @ self.feedback[b].to(n.dtype).t()
 
     def step(self) -> AdjointCredit:
-        return AdjointCredit(self._term, lambda total, x: total)
+        return AdjointCredit(self._term, lambda x, total: x + zero_valued(total).to(x.dtype))
 
 
 class DNISource(CreditSource):

@@ -21,8 +21,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from creditlab import runtime as rt
 from creditlab.config import CreditConfig
-from creditlab.credit.sources import zero_valued
 from creditlab.model import ExactCredit
 
 STATS = ("weighted_sq_error", "pred_dot_true", "pred_sq", "true_sq")
@@ -88,8 +88,17 @@ class FitCredit(ExactCredit):
 
     def terminal(self, x: torch.Tensor) -> torch.Tensor:
         self.x_terminal = x.detach()
-        z = self.predictor.terminal_adjoint(self.total, x)  # sends the code [p ; m] to every slot
-        return x + zero_valued(z).to(x.dtype) + self.error_probe.to(x.dtype)  # the probe's gradient is e
+        x = self.predictor.tap(x, self.total)  # sends the code [p ; m] to every slot
+        return x + self.error_probe.to(x.dtype)  # the probe's gradient is e
+
+
+def code_objective(predictor, e: torch.Tensor, x_terminal: torch.Tensor, code_grad: torch.Tensor) -> torch.Tensor:
+    """<[p ; m](e), code_grad>: its gradient is the fit's share that reaches P, the mean gate and its bias
+    through the code, once the backward has summed code_grad over the branches. Compiled with its backward:
+    a dozen passes over (B, T, d) and (B, T, r) tensors that would otherwise run as separate eager kernels."""
+    dtype = predictor.decoders.dtype
+    a, a_rev = predictor.mean_weights(x_terminal.to(dtype))
+    return (predictor.code(e, a, a_rev) * code_grad.to(dtype)).sum()
 
 
 class Teacher:
@@ -100,6 +109,7 @@ class Teacher:
         self.optimizer = torch.optim.Adam(predictor.parameters(), lr=cfg.predictor_lr, betas=(0.9, 0.99))
         self.low_precision = cfg.fit_precision == "auto"
         self.stats: list[torch.Tensor] = []
+        self.code_objective = None  # compiled on the first teacher micro-batch when the trainer compiles
 
     def teach(self, trainer, inputs: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
         """One exact micro-batch (gradients accumulate into the model) that also fits the predictor."""
@@ -109,7 +119,9 @@ class Teacher:
         sinks = dict(device=inputs.device, dtype=dtype, requires_grad=True)
         code_sink = torch.zeros(B, T, 2 * p.rank, **sinks)
         stats_sink = torch.zeros(p.decoders.shape[0], len(STATS), **sinks)
-        error_probe = torch.zeros(B, T, p.decoders.shape[1], **sinks)
+        # In the residual stream's dtype: e arrives in it, and a wider copy would only move more bytes.
+        probe_dtype = trainer.runtime.autocast_dtype or dtype
+        error_probe = torch.zeros(B, T, p.decoders.shape[1], **sinks | {"dtype": probe_dtype})
         credit = FitCredit(p, scale, code_sink, stats_sink, error_probe, self.low_precision)
         forward = getattr(trainer, "_forward", None) or trainer.ddp or trainer.model
         with trainer.runtime.autocast():
@@ -117,9 +129,10 @@ class Teacher:
         (loss * scale).backward()
         if code_sink.grad is None or error_probe.grad is None:
             raise RuntimeError("the teacher's backward did not reach the tap and the branches: no fit")
+        if self.code_objective is None:
+            self.code_objective = rt.maybe_compile(code_objective, trainer.runtime)
         with torch.enable_grad():  # the code's share of the fit gradient, into P and the mean gate
-            a, a_rev = p.mean_weights(credit.x_terminal.to(dtype))
-            p.code(error_probe.grad, a, a_rev).backward(code_sink.grad.to(dtype))
+            self.code_objective(p, error_probe.grad, credit.x_terminal, code_sink.grad).backward()
         self.stats.append(stats_sink.grad.detach())
         return loss.detach()
 
