@@ -109,9 +109,11 @@ class Trainer:
                     else:
                         credit = self.source.step() if kind == "synthetic" else self.source.exact_step()
                         losses.append(self.forward_backward(inputs, targets, credit, 1.0 / cfg.grad_accum))
-            fit = self.source.end_update(kind)
             lr_scale = self.optimizers.step(update)
             self.optimizers.zero_grad()
+            # After the model's step: the fit's report reads its metrics on the host, and a synchronization
+            # before the step would leave the GPU idle while the host launches the optimizer's many kernels.
+            fit = self.source.end_update(kind)
             loss = torch.stack(losses).mean().item()
         tokens = cfg.grad_accum * cfg.micro_batch * self.cfg.model.seq_len * runtime.world_size
         alloc, reserved = rt.peak_memory_mib(runtime)
