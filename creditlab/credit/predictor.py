@@ -63,7 +63,9 @@ class Predictor(nn.Module):
     # ---- the map e -> corrections ------------------------------------------------------------------------
     def code(self, e: torch.Tensor, a: torch.Tensor, a_rev: torch.Tensor) -> torch.Tensor:
         """[p ; m] (B, T, 2r): the part of every correction shared by all branches."""
-        p = e.to(a.dtype) @ self.projection.to(a.dtype).t()
+        # The product in e's dtype (bf16 under autocast: e is carried in it) with a float32 result; a float32
+        # copy of e first would only move twice the bytes.
+        p = (e @ self.projection.to(e.dtype).t()).to(a.dtype)
         m = reverse_cumsum(a * p) / a_rev
         return torch.cat([p, m], dim=-1)
 
