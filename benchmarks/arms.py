@@ -212,11 +212,24 @@ def summarize_arm(arm: dict) -> dict:
     reserved = [r.peak_reserved_mib for r in rows[1:] or rows if r.peak_reserved_mib is not None]
     out["peak_reserved_mib"] = max(reserved) if reserved else None
     out["loss_last"] = rows[-1].loss
-    k = arm["trainer"].cfg.credit.teacher_every if arm["trainer"].source.fits else 0
-    if k > 1 and len(rows) > 2 * k:  # teacher and synthetic updates mixed: the mean of the last two whole cycles
-        out["cycle_mean_s"] = statistics.fmean(r.seconds for r in rows[-2 * k:])
-        out["cycle_kinds"] = [r.kind for r in rows[-2 * k:]]
+    out.update(cycle_estimate(out["rows"]))
     return out
+
+
+def cycle_estimate(rows: list[dict]) -> dict:
+    """For an arm that mixes teacher and synthetic updates (one teacher in K): the seconds of one cycle per
+    update, (median teacher + (K - 1) median synthetic) / K, over the updates after the first cycle (the first
+    teacher update compiles). Medians, as for every other arm: one slow update does not move the estimate."""
+    kinds = [r["kind"] for r in rows]
+    teacher_at = [i for i, kind in enumerate(kinds) if kind == "teacher"]
+    if len(teacher_at) < 3 or "synthetic" not in kinds:
+        return {}
+    k = teacher_at[1] - teacher_at[0]
+    later = rows[k:]
+    teacher = statistics.median(r["seconds"] for r in later if r["kind"] == "teacher")
+    synthetic = statistics.median(r["seconds"] for r in later if r["kind"] == "synthetic")
+    return {"cycle_s": (teacher + (k - 1) * synthetic) / k, "cycle_every": k, "cycle_teacher_s": teacher,
+            "cycle_synthetic_s": synthetic}
 
 
 def diagnose(arm: dict, profile_to: Path | None, memory_to: Path | None) -> None:
@@ -256,11 +269,12 @@ def markdown(results: list[dict], meta: dict) -> str:
         mfu = f"{100 * r['median_last6_mfu']:.1f}%" if r["median_last6_mfu"] is not None else "-"
         seconds = r["median_last6_s"]
         tokens_per_s = r["median_last6_tokens_per_s"]
-        if "cycle_mean_s" in r:
-            seconds, mfu = r["cycle_mean_s"], "-"
+        if "cycle_s" in r:
+            seconds, mfu = r["cycle_s"], "-"
             tokens_per_s = r["rows"][-1]["tokens"] / seconds
-            notes.append(f"{r['arm']}: s/update is the mean of the last {len(r['cycle_kinds'])} updates (whole "
-                         f"cycles: {', '.join(r['cycle_kinds'])}); their median would be a synthetic update's.")
+            notes.append(f"{r['arm']}: s/update is one cycle's mean, (median teacher {r['cycle_teacher_s']:.4f} + "
+                         f"{r['cycle_every'] - 1} x median synthetic {r['cycle_synthetic_s']:.4f}) / "
+                         f"{r['cycle_every']}, over the updates after the first cycle.")
         lines.append(f"| {r['arm']} | {seconds:.4f} | {seconds / base:.4f} | "
                      f"{tokens_per_s:,.0f} | {mfu} | {r['peak_allocated_mib']:,.0f} | "
                      f"{_mib(r['peak_reserved_mib'])} | {r['first_update_s']:.1f} | {r['loss_last']:.4f} |")
@@ -270,7 +284,7 @@ def markdown(results: list[dict], meta: dict) -> str:
 def main() -> int:
     global base_peak
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="output folder")
+    ap.add_argument("--out", help="output folder")
     ap.add_argument("--arms", default="native,zero")
     ap.add_argument("--preset", default="seed")
     ap.add_argument("--updates", type=int, default=12)
@@ -281,7 +295,13 @@ def main() -> int:
                     help="interleaved: one update of each arm per round, all arms resident (drift in clocks and "
                          "temperature falls on every arm alike); sequential: each arm's updates back to back, "
                          "alone on the GPU (per-arm reserved memory)")
+    ap.add_argument("--resummarize", metavar="ARMS_JSON",
+                    help="recompute the summaries and the table of a finished run from its stored rows (no GPU)")
     args = ap.parse_args()
+    if args.resummarize:
+        return resummarize(Path(args.resummarize))
+    if not args.out:
+        ap.error("--out is required")
     for name in args.arms.split(","):
         overrides_of(name)  # fail on a misspelt arm before any GPU time is spent
     if not torch.cuda.is_available():
@@ -384,6 +404,21 @@ def main() -> int:
         table = markdown(ok, meta)
         (out / "arms.md").write_text(table)
         print(table)
+    return 0
+
+
+def resummarize(path: Path) -> int:
+    """The rows are the record; the summaries are derived. Rewrites ARMS_JSON's derived fields and its table."""
+    data = json.loads(path.read_text())
+    for r in data["results"]:
+        if "rows" in r:
+            for stale in [k for k in r if k.startswith("cycle_")]:
+                del r[stale]
+            r.update(cycle_estimate(r["rows"]))
+    path.write_text(json.dumps(data, indent=2, default=str))
+    table = markdown([r for r in data["results"] if "oom" not in r], data["meta"])
+    path.with_suffix(".md").write_text(table)
+    print(table)
     return 0
 
 

@@ -40,3 +40,15 @@ def test_interleaved_rounds_put_every_arm_in_every_position_equally():
     assert all(sorted(r) == sorted(names) for r in rounds)
     for position in range(len(names)):
         assert sorted(r[position] for r in rounds) == sorted(names * 2)
+
+
+def test_cycle_estimate_uses_medians_after_the_first_cycle():
+    arms = _arms_module()
+    kinds = ["teacher", "synthetic", "synthetic", "synthetic"] * 4
+    seconds = [30.0, 1.0, 1.0, 1.0] + [2.0, 1.0, 1.0, 1.0] * 3
+    seconds[9] = 5.0  # one slow synthetic update
+    rows = [{"kind": k, "seconds": s} for k, s in zip(kinds, seconds)]
+    est = arms.cycle_estimate(rows)
+    assert est["cycle_every"] == 4 and est["cycle_teacher_s"] == 2.0 and est["cycle_synthetic_s"] == 1.0
+    assert est["cycle_s"] == (2.0 + 3 * 1.0) / 4
+    assert arms.cycle_estimate([{"kind": "synthetic", "seconds": 1.0}] * 8) == {}
