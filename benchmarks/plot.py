@@ -29,13 +29,15 @@ def plot_arms(arms_json: Path, out: Path, name: str, note: str) -> Path:
     results = [r for r in data["results"] if "oom" not in r]
     names = [r["arm"] for r in results]
     native = results[0]["median_last6_s"]
-    ratios = [r["median_last6_s"] / native for r in results]
+    ratios = [r.get("cycle_s", r["median_last6_s"]) / native for r in results]  # a cycle arm: one cycle's mean
     peaks = [r["peak_allocated_mib"] for r in results]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
     ax1.barh(names, ratios, color="#4c72b0")
     ax1.axvline(0.9066667, color="#c44e52", ls="--", label="screen gate 0.9067")
     ax1.axvline(1.0, color="grey", lw=0.8)
     ax1.axvline(1.10, color="#dd8452", ls=":", label="teacher gate 1.10")
+    if any("cycle_s" in r for r in results):
+        ax1.axvline(0.93, color="#937860", ls="-.", label="cycle gate 0.93")
     ax1.set_xlabel("s/update relative to native (last-six medians)")
     right = 1.2
     ax1.set_xlim(0.85, right)
@@ -61,9 +63,11 @@ def plot_arm_rows(arms_json: Path, out: Path, name: str) -> Path:
     fig, ax = plt.subplots(figsize=(8, 3.8))
     for r in (r for r in data["results"] if "oom" not in r):
         rows = r["rows"][1:]  # the first update compiles
+        summary = f"cycle {r['cycle_s']:.4f}" if "cycle_s" in r else f"median {r['median_last6_s']:.4f}"
         ax.plot([x["update"] + 1 for x in rows], [x["seconds"] for x in rows], "o-", ms=3,
-                label=f"{r['arm']} (median {r['median_last6_s']:.4f})")
-    ax.axvspan(6.5, len(data["results"][0]["rows"]) + 0.5, color="grey", alpha=0.1, label="last-six window")
+                label=f"{r['arm']} ({summary})")
+    count = len(data["results"][0]["rows"])
+    ax.axvspan(count - 5.5, count + 0.5, color="grey", alpha=0.1, label="last-six window")
     ax.set_xlabel("update")
     ax.set_ylabel("s/update")
     ax.legend(fontsize=7, ncol=2)
@@ -154,6 +158,13 @@ def main() -> None:
                     "teacher fit products in bf16 vs float32"))
     print(plot_arms(HERE / "results" / "arms_teacher_onepass_seed.json", out, "arms_teacher_onepass_seed.png",
                     "teacher with one pass over its residual"))
+    print(plot_arms(HERE / "results" / "arms_interleaved_seed.json", out, "arms_interleaved_seed.png",
+                    "arms interleaved; rank-space teacher fit, code tap, report after the step"))
+    print(plot_arm_rows(HERE / "results" / "arms_interleaved_seed.json", out, "arms_interleaved_rows_seed.png"))
+    print(plot_arms(HERE / "results" / "arms_teacher_before_sync_seed.json", out, "arms_teacher_before_sync_seed.png",
+                    "interleaved; the fit's report read before the optimizer step"))
+    print(plot_arms(HERE / "results" / "arms_teacher_after_sync_seed.json", out, "arms_teacher_after_sync_seed.png",
+                    "interleaved; the fit's report read after the optimizer step"))
     print(plot_recompute_tradeoff(HERE / "results" / "arms_recompute_parts_seed.json", out,
                                   "recompute_parts_seed.png"))
     print(plot_clocks(HERE / "results" / "dmon_default_seed.txt", out, "clocks_seed.png"))
