@@ -89,14 +89,38 @@ def state_bytes_sha(model: torch.nn.Module) -> str:
     return hashlib.sha256(buf.getvalue()).hexdigest()
 
 
+def gpu_busy_ms(trace: dict) -> tuple[float, int]:
+    """The union of the GPU's kernel, memset and memcpy intervals in a Chrome trace, in ms, and the kernel
+    count: the time the GPU did anything. Measured against the update's wall time, the rest is idle GPU."""
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in trace.get("traceEvents", [])
+                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy"))
+    busy, end = 0.0, float("-inf")
+    for start, stop in spans:
+        if stop <= end:
+            continue
+        busy += stop - max(start, end)
+        end = stop
+    kernels = sum(1 for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") == "kernel")
+    return busy / 1e3, kernels
+
+
 def profile(trainer: Trainer, path: Path, updates: int = 2) -> None:
-    """Kernel-level CUDA time of a few more updates, largest first."""
+    """Kernel-level CUDA time of a few more updates, largest first, headed by how long the GPU was busy."""
+    import tempfile
+
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(updates):
             trainer.train_update()
-    path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=70, max_name_column_width=90))
+    with tempfile.TemporaryDirectory() as tmp:
+        trace_path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace_path))
+        busy, kernels = gpu_busy_ms(json.loads(trace_path.read_text()))
+    head = (f"GPU busy (union of kernel, memset and memcpy intervals): {busy / updates:.1f} ms per update, "
+            f"{kernels / updates:,.0f} kernels per update, over {updates} profiled updates\n\n")
+    path.write_text(head + prof.key_averages().table(sort_by="cuda_time_total", row_limit=150,
+                                                     max_name_column_width=90))
 
 
 def _where(frames: list[dict]) -> str:

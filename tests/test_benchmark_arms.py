@@ -52,3 +52,12 @@ def test_cycle_estimate_uses_medians_after_the_first_cycle():
     assert est["cycle_every"] == 4 and est["cycle_teacher_s"] == 2.0 and est["cycle_synthetic_s"] == 1.0
     assert est["cycle_s"] == (2.0 + 3 * 1.0) / 4
     assert arms.cycle_estimate([{"kind": "synthetic", "seconds": 1.0}] * 8) == {}
+
+
+def test_gpu_busy_is_the_union_of_device_intervals():
+    arms = _arms_module()
+    events = [{"ph": "X", "cat": "kernel", "ts": 0, "dur": 10}, {"ph": "X", "cat": "kernel", "ts": 5, "dur": 10},
+              {"ph": "X", "cat": "gpu_memset", "ts": 30, "dur": 5}, {"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 99},
+              {"ph": "X", "cat": "kernel", "ts": 32, "dur": 1}]
+    busy, kernels = arms.gpu_busy_ms({"traceEvents": events})
+    assert busy == (15 + 5) / 1e3 and kernels == 3
