@@ -89,19 +89,22 @@ def state_bytes_sha(model: torch.nn.Module) -> str:
     return hashlib.sha256(buf.getvalue()).hexdigest()
 
 
-def gpu_busy_ms(trace: dict) -> tuple[float, int]:
-    """The union of the GPU's kernel, memset and memcpy intervals in a Chrome trace, in ms, and the kernel
-    count: the time the GPU did anything. Measured against the update's wall time, the rest is idle GPU."""
-    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in trace.get("traceEvents", [])
+def gpu_busy_ms(trace: dict, gaps: int = 0) -> tuple[float, int, list[tuple[float, str, str]]]:
+    """The union of the GPU's kernel, memset and memcpy intervals in a Chrome trace, in ms, the kernel count,
+    and the `gaps` longest idle stretches (ms, the work before, the work after). Measured against the update's
+    wall time, the rest of the update is idle GPU."""
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0), e.get("name", "?")) for e in trace.get("traceEvents", [])
                    if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy"))
-    busy, end = 0.0, float("-inf")
-    for start, stop in spans:
+    busy, end, last, idle = 0.0, float("-inf"), None, []
+    for start, stop, name in spans:
+        if last is not None and start > end:
+            idle.append(((start - end) / 1e3, last, name))
         if stop <= end:
             continue
         busy += stop - max(start, end)
-        end = stop
+        end, last = stop, name
     kernels = sum(1 for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") == "kernel")
-    return busy / 1e3, kernels
+    return busy / 1e3, kernels, sorted(idle, reverse=True)[:gaps]
 
 
 def profile(trainer: Trainer, path: Path, updates: int = 2) -> None:
@@ -116,9 +119,11 @@ def profile(trainer: Trainer, path: Path, updates: int = 2) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         trace_path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace_path))
-        busy, kernels = gpu_busy_ms(json.loads(trace_path.read_text()))
+        busy, kernels, gaps = gpu_busy_ms(json.loads(trace_path.read_text()), gaps=8)
     head = (f"GPU busy (union of kernel, memset and memcpy intervals): {busy / updates:.1f} ms per update, "
-            f"{kernels / updates:,.0f} kernels per update, over {updates} profiled updates\n\n")
+            f"{kernels / updates:,.0f} kernels per update, over {updates} profiled updates\n"
+            "longest idle stretches: " + "; ".join(f"{ms:.2f} ms after {a[:50]} before {b[:50]}"
+                                                  for ms, a, b in gaps) + "\n\n")
     path.write_text(head + prof.key_averages().table(sort_by="cuda_time_total", row_limit=150,
                                                      max_name_column_width=90))
 

@@ -59,5 +59,6 @@ def test_gpu_busy_is_the_union_of_device_intervals():
     events = [{"ph": "X", "cat": "kernel", "ts": 0, "dur": 10}, {"ph": "X", "cat": "kernel", "ts": 5, "dur": 10},
               {"ph": "X", "cat": "gpu_memset", "ts": 30, "dur": 5}, {"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 99},
               {"ph": "X", "cat": "kernel", "ts": 32, "dur": 1}]
-    busy, kernels = arms.gpu_busy_ms({"traceEvents": events})
+    busy, kernels, gaps = arms.gpu_busy_ms({"traceEvents": events}, gaps=1)
     assert busy == (15 + 5) / 1e3 and kernels == 3
+    assert gaps == [(15 / 1e3, "?", "?")]
