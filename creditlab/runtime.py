@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import platform
 import subprocess
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -153,7 +155,8 @@ def measure_matmul_tflops(runtime: Runtime, size: int = 8192, repeats: int = 10)
 def environment(runtime: Runtime | None = None) -> dict:
     """What a record needs to be re-run: software versions, hardware and the source revision."""
     env = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
-           "cuda": torch.version.cuda, "git_sha": git_sha(), "git_dirty": git_dirty()}
+           "cuda": torch.version.cuda, "git_sha": git_sha(), "git_dirty": git_dirty(),
+           "source_sha256": source_sha256()}
     if runtime is not None:
         env.update(device=str(runtime.device), world_size=runtime.world_size)
         if runtime.is_cuda:
@@ -161,6 +164,16 @@ def environment(runtime: Runtime | None = None) -> dict:
             env.update(gpu=props.name, gpu_memory_mib=props.total_memory / 2**20,
                        driver=_nvidia_smi("driver_version"), sm_count=props.multi_processor_count)
     return env
+
+
+def source_sha256(root: Path | None = None) -> str:
+    """SHA256 over the package's own source files (relative path and bytes, in path order): identifies the code
+    that ran even where the checkout's git metadata is missing or stale."""
+    root = root or Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def _run_git(*args: str) -> str | None:

@@ -165,3 +165,17 @@ def test_gradient_accumulation_gives_the_same_update():
     for n in a:
         torch.testing.assert_close(a[n], b[n], rtol=1e-10, atol=1e-12, msg=n)
     assert any(not torch.equal(a[n], before[n]) for n in a)  # the update did move the weights
+
+
+def test_records_identify_the_source_by_content(tmp_path):
+    """source_sha256 hashes the package's own files, so a record names the code that ran without git."""
+    from creditlab import runtime as rt
+
+    assert rt.environment()["source_sha256"] == rt.source_sha256() and len(rt.source_sha256()) == 64
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "sub" / "b.py").write_text("y = 2\n")
+    before = rt.source_sha256(tmp_path)
+    assert rt.source_sha256(tmp_path) == before
+    (tmp_path / "sub" / "b.py").write_text("y = 3\n")
+    assert rt.source_sha256(tmp_path) != before
