@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Every seed-preset measurement of the benchmark pages in one go (about 8 minutes on one H200, most of it
-# compilation): the head-loss kernel's configurations; the arms side by side (the default native step, its
-# recompute choices, the credit sources, the teacher with float32 fit products) with a kernel profile and a
+# Every seed-preset measurement of the benchmark pages in one go (about 9 minutes on one H200, most of it
+# compilation): the head-loss kernel's configurations; the arms interleaved (the default native step, its
+# recompute choices, the credit sources, the teacher, one teacher in four) with a kernel profile and a
 # breakdown of the native memory peak; board power and clocks sampled every 2 s; what one compiled forward keeps.
 #   bash benchmarks/seed_suite.sh OUT_DIR
 set -uo pipefail
@@ -16,6 +16,6 @@ if command -v nvidia-smi >/dev/null; then
 fi
 python3 "$here/softcap_ce.py" --out "$out/softcap_ce" 2>&1 | tail -15
 python3 "$here/arms.py" --out "$out/arms" --profile native --memory native \
-  --arms native,native+tuned,native+recompute_all,native_plain,zero,learned,teacher,teacher+fit32 \
+  --arms native,native+recompute_all,native_plain,zero,learned,learned_materialized,teacher,cycle --updates 16 \
   2>&1 | grep -v "^update" | tail -20
 python3 "$here/kept.py" --out "$out/kept" 2>&1 | head -16
