@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import random
 import shutil
 from pathlib import Path
 
@@ -19,30 +18,9 @@ from creditlab.data import cli as data_cli
 from creditlab.data.ledger import LEDGER, entries, split_tokens
 from creditlab.data.splits import SPLITS, split_of
 from creditlab.data.tokenizer import load as load_tokenizer
+from tiny_corpus import VOCAB, quiet_prepare, write_corpus
 
-VOCAB = 300
 SEQ = 16
-
-
-def write_corpus(root: Path, n: int = 160, seed: int = 0) -> dict[str, str]:
-    """`n` text files of pseudo-words; returns {document id: text}."""
-    rng = random.Random(seed)
-    syllables = ["ka", "lo", "mi", "ne", "ru", "ta", "shi", "po", "an", "el", "or", "us", "be", "zo"]
-    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(200)]
-    root.mkdir(parents=True, exist_ok=True)
-    texts = {}
-    for i in range(n):
-        sentences = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))).capitalize() + "."
-                     for _ in range(rng.randint(10, 30))]
-        texts[f"doc{i:03d}.txt"] = " ".join(sentences) + "\n"
-        (root / f"doc{i:03d}.txt").write_text(texts[f"doc{i:03d}.txt"])
-    return texts
-
-
-def quiet_prepare(source: str, out: Path, **kw) -> dict:
-    kw.setdefault("vocab_size", VOCAB)
-    kw.setdefault("shard_tokens", 4000)  # several shards per split: loaders must cross shard boundaries
-    return prepare(source, out, progress=False, log=lambda _: None, **kw)
 
 
 @pytest.fixture(scope="module")
