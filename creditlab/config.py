@@ -61,7 +61,7 @@ class DataConfig:
 class CreditConfig:
     source: str = "exact"  # exact | oracle | zero | learned | dfa | dni
     rank: int = 32  # rank of the terminal-error projection
-    teacher_every: int = 4  # one exact teacher update in K (the `learned` source; 0 = never)
+    teacher_every: int = 4  # one exact teacher update in K (the fitted sources, `learned` and `dni`; 0 = never)
     materialized: bool = False  # decode every correction at the tap (to measure what streaming saves)
     predictor_lr: float = 1e-2  # held-out fit after 150 teacher steps (tiny): 3e-3 0.82, 1e-2 0.78, 3e-2 0.77, 1e-1 0.81
     # The teacher's fit products over (B, T, d): "auto" runs them in the gradient's dtype (bf16 under autocast,

@@ -145,8 +145,7 @@ class Trainer:
         self.optimizers.load_state_dict(state["optimizers"])
         self.source.load_state_dict(state["source"])
         if state["teacher"] is not None:
-            from creditlab.credit.teacher import Teacher
-            self.source.teacher = Teacher(self.source.predictor, self.cfg.credit)
+            self.source.teacher = self.source.make_teacher()
             self.source.teacher.load_state_dict(state["teacher"])
         self.loader.load_state_dict(state["loader"])
         self.update_index = state["update"]

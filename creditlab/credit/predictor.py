@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from creditlab.config import CreditConfig, ModelConfig
-from creditlab.credit.sources import AdjointCredit, CreditSource, OmitCredit
+from creditlab.credit.sources import AdjointCredit, FittedSource, OmitCredit
 from creditlab.model import ExactCredit, norm
 
 
@@ -122,30 +122,22 @@ class _GatedAdjoint(torch.autograd.Function):
         return (grad * gate) @ decoder.t().to(grad.dtype), None, None
 
 
-class LearnedSource(CreditSource):
-    name, omits, fits = "learned", True, True
+class LearnedSource(FittedSource):
+    name, omits = "learned", True
 
     def __init__(self, model: ModelConfig, credit: CreditConfig):
-        super().__init__()
+        super().__init__(credit)
         self.predictor = Predictor(model, credit.rank)
         self.materialized = credit.materialized
-        self.teacher = None  # created on the first teacher update (credit/teacher.py)
-        self.credit_cfg = credit
 
     def step(self) -> OmitCredit:
         if self.materialized:
             return MaterializedCredit(self.predictor)
         return AdjointCredit(self.predictor.branch_adjoint, self.predictor.tap)
 
-    def teach(self, trainer, inputs, targets, scale: float) -> torch.Tensor:
-        from creditlab.credit.teacher import Teacher
-
-        if self.teacher is None:
-            self.teacher = Teacher(self.predictor, self.credit_cfg)
-        return self.teacher.teach(trainer, inputs, targets, scale)
-
-    def end_update(self, kind: str) -> dict | None:
-        return self.teacher.step() if kind == "teacher" else None
+    def make_teacher(self):
+        from creditlab.credit.teacher import LearnedTeacher
+        return LearnedTeacher(self.predictor, self.credit_cfg)
 
 
 class _DecodeAllAtTap(torch.autograd.Function):

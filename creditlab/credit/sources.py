@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from creditlab.config import Config
+from creditlab.config import Config, CreditConfig
 from creditlab.model import ExactCredit, GPT
 
 
@@ -96,6 +96,28 @@ class CreditSource(nn.Module):
     def end_update(self, kind: str) -> dict | None:
         """Called after each update's micro-batches; a fitting source applies its fit and reports it."""
         return None
+
+
+class FittedSource(CreditSource):
+    """A source fitted on exact teacher updates by its `Teacher` (credit/teacher.py), made on first use."""
+
+    fits = True
+
+    def __init__(self, credit: CreditConfig):
+        super().__init__()
+        self.credit_cfg = credit
+        self.teacher = None
+
+    def make_teacher(self):
+        raise NotImplementedError
+
+    def teach(self, trainer, inputs, targets, scale: float) -> torch.Tensor:
+        if self.teacher is None:
+            self.teacher = self.make_teacher()
+        return self.teacher.teach(trainer, inputs, targets, scale)
+
+    def end_update(self, kind: str) -> dict | None:
+        return self.teacher.step() if kind == "teacher" else None
 
 
 class ZeroSource(CreditSource):
@@ -170,31 +192,54 @@ class DFASource(CreditSource):
         return AdjointCredit(self._term, lambda x, total: x + zero_valued(total).to(x.dtype))
 
 
-class DNISource(CreditSource):
-    """Decoupled neural interfaces, rank-limited: c_b = D_b (sigma(G_b n_b) * U_b n_b), from the branch's own
-    state only (no terminal error). Decoders start at zero; fitting happens on teacher updates."""
+class DNISource(FittedSource):
+    """Decoupled neural interfaces, rank-limited: c_b = s_b D_b (sigma(G_b n_b) * U_b n_b), from the branch's own
+    state only (no terminal error). Decoders start at zero and are fitted on teacher updates, as the learned
+    predictor is, to the true corrections.
+
+    s_b is the running RMS of branch b's true corrections, measured on teacher updates (zero until the first).
+    The learned predictor's corrections scale with the terminal error by construction; a prediction from the
+    state alone has no such scale, and without s_b its decoders would have to hold the corrections' magnitude
+    (~1e-4 here): steps of the fit's Adam, about its learning rate in size, overshoot that at once."""
 
     name, omits = "dni", True
 
-    def __init__(self, width: int, branches: int, rank: int):
-        super().__init__()
+    def __init__(self, width: int, branches: int, credit: CreditConfig):
+        super().__init__(credit)
+        rank = credit.rank
         self.gates = nn.Parameter(torch.randn(branches, 2 * rank, width) * width ** -0.5)
         self.codes = nn.Parameter(torch.randn(branches, 2 * rank, width) * width ** -0.5)
         self.decoders = nn.Parameter(torch.zeros(branches, width, 2 * rank))
+        self.register_buffer("scales", torch.zeros(branches))
+
+    def decoder(self, b: int) -> torch.Tensor:
+        """The effective decoder s_b D_b: the fit's gradient reaches D_b through it."""
+        return self.scales[b] * self.decoders[b]
 
     def code(self, b: int, n: torch.Tensor) -> torch.Tensor:  # (B, T, 2r)
         return torch.sigmoid(n @ self.gates[b].to(n.dtype).t()) * (n @ self.codes[b].to(n.dtype).t())
 
     def predict(self, b: int, n: torch.Tensor) -> torch.Tensor:
-        return self.code(b, n) @ self.decoders[b].to(n.dtype).t()
+        return self.code(b, n) @ self.decoder(b).to(n.dtype).t()
 
     def _term(self, b: int, n: torch.Tensor) -> torch.Tensor:
         # <n_b D_b, code_b> has gradient code_b D_b^T = c_b for n_b; decoded only when backward reaches b.
         code = self.code(b, n.detach()).detach()
-        return ((n @ self.decoders[b].detach().to(n.dtype)) * code).sum()
+        return ((n @ self.decoder(b).detach().to(n.dtype)) * code).sum()
+
+    @torch.no_grad()
+    def track_scales(self, rms: torch.Tensor, momentum: float = 0.9) -> None:
+        """Fold one teacher update's RMS of each branch's true correction into s (a branch with none keeps its)."""
+        seen = rms > 0
+        blended = torch.where(self.scales > 0, momentum * self.scales + (1 - momentum) * rms, rms)
+        self.scales.copy_(torch.where(seen, blended, self.scales))
 
     def step(self) -> InjectCredit:
         return InjectCredit(self._term)
+
+    def make_teacher(self):
+        from creditlab.credit.teacher import DNITeacher
+        return DNITeacher(self, self.credit_cfg)
 
 
 SOURCES = ("exact", "oracle", "zero", "learned", "dfa", "dni")
@@ -212,7 +257,7 @@ def make_source(cfg: Config) -> CreditSource:
     if name == "dfa":
         return DFASource(m.width, m.branches, c.feedback_seed)
     if name == "dni":
-        return DNISource(m.width, m.branches, c.rank)
+        return DNISource(m.width, m.branches, c)
     if name == "learned":
         from creditlab.credit.predictor import LearnedSource
         return LearnedSource(m, c)
