@@ -1,0 +1,46 @@
+"""The data-parallel benchmark end to end on the CPU: two gloo processes stand in for two GPUs."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+DDP_PY = Path(__file__).resolve().parents[1] / "benchmarks" / "ddp.py"
+
+
+def _ddp_module():
+    spec = importlib.util.spec_from_file_location("bench_ddp", DDP_PY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_summary_leaves_out_each_kinds_compiling_update_and_scales_against_one_process():
+    ddp = _ddp_module()
+    rows = [{"kind": k, "seconds": s, "tokens_per_s": 100 / s, "peak_allocated_mib": 10.0, "loss": 5.0 - i}
+            for i, (k, s) in enumerate([("teacher", 9.0), ("synthetic", 8.0), ("synthetic", 1.0),
+                                        ("synthetic", 3.0), ("teacher", 2.0)])]
+    summary = ddp.summarize({"name": "two", "gpus": 2, "exit": 0, "rows": rows}, window=4)
+    assert summary["synthetic"]["s_per_update"] == 2.0 and summary["synthetic"]["updates_in_median"] == 2
+    assert summary["teacher"]["s_per_update"] == 2.0 and summary["teacher"]["updates_in_median"] == 1
+    native = {"name": "one", "gpus": 1, "exit": 0, "native": {"s_per_update": 1.0, "tokens_per_s": 100.0,
+                                                               "peak_allocated_mib": 0, "updates_in_median": 3}}
+    two = {"name": "two", "gpus": 2, "exit": 0, "native": {"s_per_update": 1.1, "tokens_per_s": 180.0,
+                                                            "peak_allocated_mib": 5.0, "updates_in_median": 3}}
+    text = ddp.table([two, native])
+    assert "| two | 2 | native | 1.1000 | 180 | 0.900 |" in text  # 180 / (2 * 100)
+
+
+def test_the_script_runs_its_three_runs_on_two_cpu_processes(tmp_path, monkeypatch):
+    ddp = _ddp_module()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(sys, "argv", ["ddp.py", "--out", str(tmp_path), "--preset", "tiny", "--updates", "3",
+                                      "--window", "2", "--set", "model.vocab_size=97"])
+    ddp.main()
+    result = json.loads((tmp_path / "ddp.json").read_text())
+    assert [r["exit"] for r in result["runs"]] == [0, 0, 0], [r["log_tail"] for r in result["runs"]]
+    assert [len(r["rows"]) for r in result["runs"]] == [3, 3, 3]
+    learned = result["runs"][0]["rows"]
+    assert [r["kind"] for r in learned] == ["teacher", "synthetic", "synthetic"]
+    assert learned[1]["tokens"] == 2 * result["runs"][2]["rows"][1]["tokens"]  # both ranks' tokens counted
+    assert "| single_native | 1 | native |" in (tmp_path / "ddp.md").read_text()
