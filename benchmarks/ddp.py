@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -21,6 +22,22 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """Stop a run and every process it started. Killing the launcher alone would leave its workers running on
+    the GPUs into the next run's timings; torchrun stops its workers on SIGTERM, and what is left of the
+    run's process group is killed after the grace period."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def run_training(name: str, gpus: int, preset: str, overrides: list[str], out: Path, timeout_s: float) -> dict:
@@ -36,9 +53,11 @@ def run_training(name: str, gpus: int, preset: str, overrides: list[str], out: P
     started = time.perf_counter()
     log = out / f"{name}.log"
     with open(log, "w") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            code = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, timeout=timeout_s).returncode
+            code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            stop(proc)
             code = "timeout"
     records = sorted(runs.glob("*/rows.jsonl")) if runs.exists() else []
     rows = [json.loads(line) for line in records[-1].read_text().splitlines()] if records else []
@@ -91,7 +110,8 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
     ap.add_argument("--updates", type=int, default=8)
     ap.add_argument("--window", type=int, default=4, help="medians over the last this many updates of a kind")
-    ap.add_argument("--timeout", type=float, default=240.0, help="seconds allowed to each run")
+    ap.add_argument("--timeout", type=float, default=400.0,
+                    help="seconds allowed to each run (compiling the learned arm's two graphs under DDP took ~2 min)")
     ap.add_argument("--runs", default="ddp_learned,ddp_native,single_native",
                     help="which runs, in this order: ddp_learned, ddp_native, single_native")
     args = ap.parse_args()

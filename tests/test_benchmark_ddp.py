@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -44,3 +45,13 @@ def test_the_script_runs_its_three_runs_on_two_cpu_processes(tmp_path, monkeypat
     assert [r["kind"] for r in learned] == ["teacher", "synthetic", "synthetic"]
     assert learned[1]["tokens"] == 2 * result["runs"][2]["rows"][1]["tokens"]  # both ranks' tokens counted
     assert "| single_native | 1 | native |" in (tmp_path / "ddp.md").read_text()
+
+
+def test_a_run_past_its_time_is_stopped_with_all_its_processes(tmp_path, monkeypatch):
+    """A timed-out run must not leave workers behind to run on into the next run's timings."""
+    ddp = _ddp_module()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    run = ddp.run_training("slow", 2, "tiny", ["model.vocab_size=97", "train.updates=100000"], tmp_path, 8.0)
+    assert run["exit"] == "timeout"
+    survivors = subprocess.run(["pgrep", "-f", f"train.out_dir={tmp_path}"], capture_output=True, text=True)
+    assert survivors.stdout.strip() == "", survivors.stdout
