@@ -11,6 +11,7 @@ import json
 import statistics
 from pathlib import Path
 
+from creditlab.credit.sources import FITTED_SOURCES
 from creditlab.protocol.records import read_jsonl, write_once
 
 
@@ -31,7 +32,7 @@ def label(run: dict) -> str:
     cfg = run["config"] or {}
     credit = cfg.get("credit", {})
     source = credit.get("source", "?")
-    if source == "learned":
+    if source in FITTED_SOURCES:
         source += f", teacher 1/{credit.get('teacher_every')}"
     return f"{run['dir'].name} ({source})"
 

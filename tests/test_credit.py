@@ -418,3 +418,11 @@ def test_dni_fitting_cuts_heldout_correction_error():
     assert after.mean() < 0.8, after  # measured 0.73 on this setup
     assert (after < 0.95).all(), after
     assert (dni.scales > 0).all()  # every branch's corrections were measured
+
+
+def test_the_fitted_sources_are_the_ones_with_teacher_updates():
+    from creditlab.credit.sources import FITTED_SOURCES, SOURCES
+
+    for name in SOURCES:
+        cfg = load("tiny", ["model.vocab_size=97", f"credit.source={name}"])
+        assert make_source(cfg).fits == (name in FITTED_SOURCES), name

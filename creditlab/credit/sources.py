@@ -243,6 +243,7 @@ class DNISource(FittedSource):
 
 
 SOURCES = ("exact", "oracle", "zero", "learned", "dfa", "dni")
+FITTED_SOURCES = ("learned", "dni")  # those with teacher updates (`fits`)
 
 
 def make_source(cfg: Config) -> CreditSource:
