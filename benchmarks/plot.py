@@ -138,36 +138,38 @@ def plot_screens(records: Path, out: Path) -> Path:
     return _save(fig, out / "screen_seed.png")
 
 
+# (results file, figure, title): the arms' medians; a title of None draws the per-update rows of the file instead.
+ARMS_FIGURES = [
+    ("arms_credit_seed.json", "arms_seed.png", "before pointwise recomputation; eager teacher"),
+    ("arms_kernel_seed.json", "arms_kernel_seed.png", "recompute, Triton head loss, chunk 16,384; compiled teacher"),
+    ("arms_chunk_seed.json", "arms_chunk_seed.png", "head-loss chunk 16,384 vs 8,192"),
+    ("arms_kernel_seed.json", "arms_kernel_rows_seed.png", None),
+    ("arms_default_seed.json", "arms_default_seed.png", "recompute ReLU^2 only, head loss as one operator, chunk 8,192"),
+    ("arms_default_seed.json", "arms_default_rows_seed.png", None),
+    ("arms_teacher_fit_seed.json", "arms_teacher_fit_seed.png", "teacher fit products in bf16 vs float32"),
+    ("arms_teacher_onepass_seed.json", "arms_teacher_onepass_seed.png", "teacher with one pass over its residual"),
+    ("arms_interleaved_seed.json", "arms_interleaved_seed.png",
+     "arms interleaved; rank-space teacher fit, code tap, report after the step"),
+    ("arms_interleaved_seed.json", "arms_interleaved_rows_seed.png", None),
+    ("arms_teacher_before_sync_seed.json", "arms_teacher_before_sync_seed.png",
+     "interleaved; the fit's report read before the optimizer step"),
+    ("arms_teacher_after_sync_seed.json", "arms_teacher_after_sync_seed.png",
+     "interleaved; the fit's report read after the optimizer step"),
+]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(HERE), help="output folder")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(plot_arms(HERE / "results" / "arms_credit_seed.json", out, "arms_seed.png",
-                    "before pointwise recomputation; eager teacher"))
-    print(plot_arms(HERE / "results" / "arms_kernel_seed.json", out, "arms_kernel_seed.png",
-                    "recompute, Triton head loss, chunk 16,384; compiled teacher"))
-    print(plot_arms(HERE / "results" / "arms_chunk_seed.json", out, "arms_chunk_seed.png",
-                    "head-loss chunk 16,384 vs 8,192"))
-    print(plot_arm_rows(HERE / "results" / "arms_kernel_seed.json", out, "arms_kernel_rows_seed.png"))
-    print(plot_arms(HERE / "results" / "arms_default_seed.json", out, "arms_default_seed.png",
-                    "recompute ReLU^2 only, head loss as one operator, chunk 8,192"))
-    print(plot_arm_rows(HERE / "results" / "arms_default_seed.json", out, "arms_default_rows_seed.png"))
-    print(plot_arms(HERE / "results" / "arms_teacher_fit_seed.json", out, "arms_teacher_fit_seed.png",
-                    "teacher fit products in bf16 vs float32"))
-    print(plot_arms(HERE / "results" / "arms_teacher_onepass_seed.json", out, "arms_teacher_onepass_seed.png",
-                    "teacher with one pass over its residual"))
-    print(plot_arms(HERE / "results" / "arms_interleaved_seed.json", out, "arms_interleaved_seed.png",
-                    "arms interleaved; rank-space teacher fit, code tap, report after the step"))
-    print(plot_arm_rows(HERE / "results" / "arms_interleaved_seed.json", out, "arms_interleaved_rows_seed.png"))
-    print(plot_arms(HERE / "results" / "arms_teacher_before_sync_seed.json", out, "arms_teacher_before_sync_seed.png",
-                    "interleaved; the fit's report read before the optimizer step"))
-    print(plot_arms(HERE / "results" / "arms_teacher_after_sync_seed.json", out, "arms_teacher_after_sync_seed.png",
-                    "interleaved; the fit's report read after the optimizer step"))
-    print(plot_recompute_tradeoff(HERE / "results" / "arms_recompute_parts_seed.json", out,
-                                  "recompute_parts_seed.png"))
-    print(plot_clocks(HERE / "results" / "dmon_default_seed.txt", out, "clocks_seed.png"))
+    results = HERE / "results"
+    for source, figure, title in ARMS_FIGURES:
+        print(plot_arm_rows(results / source, out, figure) if title is None else
+              plot_arms(results / source, out, figure, title))
+    print(plot_recompute_tradeoff(results / "arms_recompute_parts_seed.json", out, "recompute_parts_seed.png"))
+    print(plot_clocks(results / "dmon_default_seed.txt", out, "clocks_seed.png"))
     print(plot_screens(HERE / "screen_records", out))
 
 
