@@ -1,24 +1,13 @@
 """The benchmark's arm names resolve to valid configs on the CPU, before any GPU time is spent on them."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
+from benchmark_scripts import load
 from creditlab import config
-
-ARMS_PY = Path(__file__).resolve().parents[1] / "benchmarks" / "arms.py"
-
-
-def _arms_module():
-    spec = importlib.util.spec_from_file_location("bench_arms", ARMS_PY)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_every_arm_and_modifier_is_a_valid_seed_config():
-    arms = _arms_module()
+    arms = load("arms")
     names = list(arms.ARMS) + [f"native+{m}" for m in arms.MODIFIERS] + ["native+keep_mlp+tuned"]
     for name in names:
         cfg = config.load("seed", arms.overrides_of(name))
@@ -28,13 +17,13 @@ def test_every_arm_and_modifier_is_a_valid_seed_config():
 
 
 def test_a_misspelt_arm_is_refused_with_the_valid_names():
-    arms = _arms_module()
+    arms = load("arms")
     with pytest.raises(SystemExit, match="unknown arm part.*keep_mpl.*modifiers: tuned"):
         arms.overrides_of("native+keep_mpl")
 
 
 def test_interleaved_rounds_put_every_arm_in_every_position_equally():
-    arms = _arms_module()
+    arms = load("arms")
     names = ["native", "zero", "learned", "teacher"]
     rounds = [arms.rotation(names, u) for u in range(2 * len(names))]
     assert all(sorted(r) == sorted(names) for r in rounds)
@@ -43,7 +32,7 @@ def test_interleaved_rounds_put_every_arm_in_every_position_equally():
 
 
 def test_cycle_estimate_uses_medians_after_the_first_cycle():
-    arms = _arms_module()
+    arms = load("arms")
     kinds = ["teacher", "synthetic", "synthetic", "synthetic"] * 4
     seconds = [30.0, 1.0, 1.0, 1.0] + [2.0, 1.0, 1.0, 1.0] * 3
     seconds[9] = 5.0  # one slow synthetic update
@@ -55,7 +44,7 @@ def test_cycle_estimate_uses_medians_after_the_first_cycle():
 
 
 def test_gpu_busy_is_the_union_of_device_intervals():
-    arms = _arms_module()
+    arms = load("arms")
     events = [{"ph": "X", "cat": "kernel", "ts": 0, "dur": 10}, {"ph": "X", "cat": "kernel", "ts": 5, "dur": 10},
               {"ph": "X", "cat": "gpu_memset", "ts": 30, "dur": 5}, {"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 99},
               {"ph": "X", "cat": "kernel", "ts": 32, "dur": 1}]

@@ -1,23 +1,14 @@
 """The data-parallel benchmark end to end on the CPU: two gloo processes stand in for two GPUs."""
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-DDP_PY = Path(__file__).resolve().parents[1] / "benchmarks" / "ddp.py"
-
-
-def _ddp_module():
-    spec = importlib.util.spec_from_file_location("bench_ddp", DDP_PY)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmark_scripts import load
 
 
 def test_summary_leaves_out_each_kinds_compiling_update_and_scales_against_one_process():
-    ddp = _ddp_module()
+    ddp = load("ddp")
     rows = [{"kind": k, "seconds": s, "tokens_per_s": 100 / s, "peak_allocated_mib": 10.0, "loss": 5.0 - i}
             for i, (k, s) in enumerate([("teacher", 9.0), ("synthetic", 8.0), ("synthetic", 1.0),
                                         ("synthetic", 3.0), ("teacher", 2.0)])]
@@ -33,7 +24,7 @@ def test_summary_leaves_out_each_kinds_compiling_update_and_scales_against_one_p
 
 
 def test_the_script_runs_its_three_runs_on_two_cpu_processes(tmp_path, monkeypatch):
-    ddp = _ddp_module()
+    ddp = load("ddp")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setattr(sys, "argv", ["ddp.py", "--out", str(tmp_path), "--preset", "tiny", "--updates", "3",
                                       "--window", "2", "--set", "model.vocab_size=97"])
@@ -49,7 +40,7 @@ def test_the_script_runs_its_three_runs_on_two_cpu_processes(tmp_path, monkeypat
 
 def test_a_run_past_its_time_is_stopped_with_all_its_processes(tmp_path, monkeypatch):
     """A timed-out run must not leave workers behind to run on into the next run's timings."""
-    ddp = _ddp_module()
+    ddp = load("ddp")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     run = ddp.run_training("slow", 2, "tiny", ["model.vocab_size=97", "train.updates=100000"], tmp_path, 8.0)
     assert run["exit"] == "timeout"

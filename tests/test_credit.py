@@ -271,6 +271,15 @@ def test_fitted_training_alternates_teacher_and_synthetic_and_checkpoints_the_pr
     assert other.update_index == 5 and other.loader.position == trainer.loader.position
 
 
+def _assert_fit_metrics_are_the_explicit_ones(summary: dict, predicted, corrections) -> None:
+    """The per-branch metrics, computed in rank space, are the explicit error and cosine of the prediction."""
+    for b, (p, c) in enumerate(zip(predicted, corrections)):
+        p, c = p.detach(), c.detach()
+        fit = summary["fit_branches"][str(b)]
+        assert fit["error"] == pytest.approx(float((p - c).square().sum() / c.square().sum()), rel=1e-9)
+        assert fit["cosine"] == pytest.approx(float((p * c).sum() / (p.norm() * c.norm())), rel=1e-9)
+
+
 def test_fused_fit_gradient_equals_the_explicit_regression_gradient():
     """The teacher's fit, computed inside the exact backward, is the gradient of
     sum_b |c_hat_b - c_b|^2 / |c_b|^2 written out explicitly (float64), and leaves the model's gradients exact."""
@@ -297,12 +306,7 @@ def test_fused_fit_gradient_equals_the_explicit_regression_gradient():
     assert max(checks._rel_errors(teacher_model_grads, native).values()) <= 1e-12
     summary = teacher.summarize()
     assert len(summary["fit_branches"]) == SMALL.branches and summary["fit_error"] > 0
-    # The per-branch metrics, computed in rank space, are the explicit error and cosine of the prediction.
-    for b, (p, c) in enumerate(zip(predicted, corrections)):
-        p, c = p.detach(), c.detach()
-        fit = summary["fit_branches"][str(b)]
-        assert fit["error"] == pytest.approx(float((p - c).square().sum() / c.square().sum()), rel=1e-9)
-        assert fit["cosine"] == pytest.approx(float((p * c).sum() / (p.norm() * c.norm())), rel=1e-9)
+    _assert_fit_metrics_are_the_explicit_ones(summary, predicted, corrections)
 
 
 def test_low_precision_fit_products_match_float32_within_bf16_rounding():
@@ -379,11 +383,7 @@ def test_dni_fit_gradient_equals_the_explicit_regression_gradient():
     assert all(p.grad.abs().max() > 0 for p in dni.parameters())  # every part of the predictor is fitted
     assert max(checks._rel_errors(teacher_model_grads, native).values()) <= 1e-12
     summary = teacher.summarize()
-    for b, (p, c) in enumerate(zip(predicted, corrections)):
-        p, c = p.detach(), c.detach()
-        fit = summary["fit_branches"][str(b)]
-        assert fit["error"] == pytest.approx(float((p - c).square().sum() / c.square().sum()), rel=1e-9)
-        assert fit["cosine"] == pytest.approx(float((p * c).sum() / (p.norm() * c.norm())), rel=1e-9)
+    _assert_fit_metrics_are_the_explicit_ones(summary, predicted, corrections)
 
 
 def test_dni_fitting_cuts_heldout_correction_error():
