@@ -426,3 +426,36 @@ def test_the_fitted_sources_are_the_ones_with_teacher_updates():
     for name in SOURCES:
         cfg = load("tiny", ["model.vocab_size=97", f"credit.source={name}"])
         assert make_source(cfg).fits == (name in FITTED_SOURCES), name
+
+
+@pytest.mark.parametrize("name", ["learned", "dni"])
+def test_fitted_sources_train_the_same_through_the_compiler(name, monkeypatch):
+    """On the GPU the step is compiled by default. Here the compiler traces the same step (teacher and synthetic
+    micro-batches, the fits' autograd Functions) with the `aot_eager` backend, which needs no C++ toolchain,
+    must not fall back to eager, and must train as the eager step does."""
+    import functools
+    import warnings
+
+    from creditlab.train import Trainer
+
+    overrides = ["model.vocab_size=97", f"credit.source={name}", "train.updates=5", "credit.teacher_every=2"]
+    losses, params = {}, {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        cfg = load("tiny", overrides + [f"train.compile={'on' if compiled else 'off'}"])
+        with monkeypatch.context() as patch:
+            patch.setattr(rt.torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+            trainer = Trainer(cfg, loader=SyntheticLoader(97, cfg.train.micro_batch, cfg.model.seq_len, seed=0))
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message="torch.compile failed")
+                rows = trainer.run(progress=False)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        assert (graphs > 0) == compiled, graphs  # the compiled run did go through the compiler
+        losses[compiled] = [r.loss for r in rows]
+        params[compiled] = {**dict(trainer.model.named_parameters()), **dict(trainer.source.named_parameters())}
+    assert [r.kind for r in rows] == ["teacher", "synthetic", "teacher", "synthetic", "teacher"]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+    for key, eager in params[False].items():
+        torch.testing.assert_close(params[True][key], eager, rtol=1e-4, atol=1e-6)
+    assert any(p.abs().max() > 0 for k, p in params[True].items() if k.endswith("decoders"))
