@@ -136,6 +136,7 @@ def cmd_train(args) -> int:
     if runtime.is_main:
         print(json.dumps(result) if args.json else
               f"done: loss {result['first_loss']:.4f} -> {result['final_loss']:.4f} over {len(rows)} updates")
+    rt.leave_process_group()
     return 0
 
 

@@ -77,6 +77,12 @@ def resolve(cfg: TrainConfig) -> Runtime:
     return Runtime(device, param_dtype, autocast_dtype, compile_, cfg.sdpa, rank, world_size, local_rank)
 
 
+def leave_process_group() -> None:
+    """End the process group a run joined under torchrun, so NCCL shuts down cleanly rather than at exit."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def maybe_compile(fn, runtime: Runtime, activation_budget: float = 1.0, mode: str = "default"):
     """torch.compile when asked; if compilation fails at the first call, warn and fall back to eager."""
     if not runtime.compile:
