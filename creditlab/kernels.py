@@ -73,9 +73,9 @@ def softcap_ce_rows(logits: torch.Tensor, targets: torch.Tensor, vocab: int, cap
     """Per-row loss (float32) and the gradient of scale * sum(loss) with respect to logits (logits' dtype).
 
     logits: (n, padded) with columns >= vocab being padding; targets: (n,) int64 in [0, vocab). `block`
-    (columns per step, a power of two) and `num_warps` default to the
-    fastest measured at the seed shape (benchmarks/softcap_ce.py); `fast` (the hardware tanh) defaults to on
-    for CUDA tensors (the interpreter cannot run it)."""
+    (columns per step, a power of two) and `num_warps` default to the fastest measured at the seed shape
+    (benchmarks/softcap_ce.py); `fast` (the hardware tanh) defaults to on for CUDA tensors (the interpreter
+    cannot run it)."""
     if triton is None:
         raise RuntimeError("the Triton kernels need `triton` (pip install triton)")
     if logits.dim() != 2 or logits.stride(1) != 1:

@@ -11,8 +11,8 @@ with a_s = sigmoid(w . norm(x_L)_s + beta) a forward state at the tap. Credit at
 positions s >= t (the reverse mean), and c is linear in e because every gate is a forward state.
 
 Streaming (the default) never builds the 16 corrections at the tap: it injects through the adjoint
-(credit/sources.py; the tap hands the code of e to every branch's share), so each c_b is decoded by autograd when the backward reaches branch b, and freed after
-its norm VJP consumed it. `materialized=True` decodes all 16 at the tap instead, to measure what that costs.
+(credit/sources.py; the tap hands the code of e to every branch's share), so each c_b is decoded by autograd
+when the backward reaches branch b, and freed after its norm VJP consumed it. `materialized=True` decodes all 16 at the tap instead, to measure what that costs.
 """
 
 from __future__ import annotations

@@ -192,6 +192,12 @@ class DFASource(CreditSource):
         return AdjointCredit(self._term, lambda x, total: x + zero_valued(total).to(x.dtype))
 
 
+def gate_and_code(n: torch.Tensor, gate_weight: torch.Tensor, code_weight: torch.Tensor):
+    """DNI's state gate sigmoid(n G^T) and code n U^T (each (B, T, 2r)), from one product: one read of n."""
+    gate_pre, coded = (n @ torch.cat([gate_weight, code_weight]).to(n.dtype).t()).chunk(2, dim=-1)
+    return torch.sigmoid(gate_pre), coded
+
+
 class DNISource(FittedSource):
     """Decoupled neural interfaces, rank-limited: c_b = s_b D_b (sigma(G_b n_b) * U_b n_b), from the branch's own
     state only (no terminal error). Decoders start at zero and are fitted on teacher updates, as the learned
@@ -217,7 +223,8 @@ class DNISource(FittedSource):
         return self.scales[b] * self.decoders[b]
 
     def code(self, b: int, n: torch.Tensor) -> torch.Tensor:  # (B, T, 2r)
-        return torch.sigmoid(n @ self.gates[b].to(n.dtype).t()) * (n @ self.codes[b].to(n.dtype).t())
+        gate, coded = gate_and_code(n, self.gates[b], self.codes[b])
+        return gate * coded
 
     def predict(self, b: int, n: torch.Tensor) -> torch.Tensor:
         return self.code(b, n) @ self.decoder(b).to(n.dtype).t()

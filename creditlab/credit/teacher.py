@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from creditlab import runtime as rt
 from creditlab.config import CreditConfig
+from creditlab.credit.sources import gate_and_code
 from creditlab.model import ExactCredit
 
 STATS = ("weighted_sq_error", "pred_dot_true", "pred_sq", "true_sq")
@@ -96,9 +97,8 @@ class _FitLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, n, gate_weight, code_weight, decoder, stats_sink, scale: float, low_precision: bool):
         """decoder: the effective s_b D_b; the caller's autograd carries its gradient on to D_b."""
-        both = n @ torch.cat([gate_weight, code_weight]).to(n.dtype).t()  # (B, T, 4r): one read of n
-        gate_pre, coded = both.chunk(2, dim=-1)
-        ctx.save_for_backward(n, torch.sigmoid(gate_pre), coded, decoder)
+        gate, coded = gate_and_code(n, gate_weight, code_weight)
+        ctx.save_for_backward(n, gate, coded, decoder)
         ctx.scale, ctx.low_precision = scale, low_precision
         return n.view_as(n)
 
@@ -264,8 +264,12 @@ class DNITeacher(Teacher):
         self.correction_sizes: list[int] = []  # elements of one branch's correction, per micro-batch
 
     def fit_credit(self, trainer, inputs, scale, stats_sink) -> LocalFitCredit:
-        self.correction_sizes.append(inputs.numel() * trainer.model.cfg.width)
         return LocalFitCredit(self.module, scale, stats_sink, self.low_precision)
+
+    def teach(self, trainer, inputs, targets, scale: float) -> torch.Tensor:
+        loss = super().teach(trainer, inputs, targets, scale)
+        self.correction_sizes.append(inputs.numel() * trainer.model.cfg.width)
+        return loss
 
     def step(self) -> dict:
         true_sq = torch.stack([s[:, STATS.index("true_sq")] for s in self.stats]).double()  # (micro, branches)
