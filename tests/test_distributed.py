@@ -15,13 +15,22 @@ from tiny_corpus import VOCAB, prepare_corpus
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
 
 
+def _run_train(out: Path, processes: int, overrides: list[str]) -> subprocess.CompletedProcess:
+    """`creditlab train --preset tiny` in `processes` processes (torchrun for more than one), records under out."""
+    launcher = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}", "--standalone"]
+                if processes > 1 else [sys.executable])
+    cmd = launcher + ["-m", "creditlab.cli", "train", "--preset", "tiny", "--set", f"train.out_dir={out}", "--json"]
+    for item in overrides:
+        cmd += ["--set", item]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 @pytest.mark.parametrize("source", ["exact", "learned"])
 def test_torchrun_two_processes_train(tmp_path, source):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "creditlab.cli", "train", "--preset", "tiny",
-           "--set", "model.vocab_size=97", "--set", "train.updates=3", "--set", "credit.teacher_every=2",
-           "--set", f"credit.source={source}", "--set", f"train.out_dir={tmp_path}", "--json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = _run_train(tmp_path, 2, ["model.vocab_size=97", "train.updates=3", "credit.teacher_every=2",
+                                   f"credit.source={source}"])
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["updates"] == 3 and result["final_loss"] < result["first_loss"]
     records = list(tmp_path.iterdir())
@@ -30,16 +39,10 @@ def test_torchrun_two_processes_train(tmp_path, source):
     assert len(rows) == 3 and json.loads(rows[0])["tokens"] == 2 * 8 * 2 * 64  # both ranks' tokens counted
 
 
-def _train(tmp_path: Path, name: str, processes: int, overrides: list[str]) -> dict[str, torch.Tensor]:
+def _final_model(tmp_path: Path, name: str, processes: int, overrides: list[str]) -> dict[str, torch.Tensor]:
     """Train in `processes` processes; return the model state of the run's final checkpoint."""
     out = tmp_path / name
-    launcher = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}", "--standalone"]
-                if processes > 1 else [sys.executable])
-    cmd = launcher + ["-m", "creditlab.cli", "train", "--preset", "tiny", "--set", f"train.out_dir={out}", "--json"]
-    for item in overrides:
-        cmd += ["--set", item]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
-    assert done.returncode == 0, done.stderr[-3000:]
+    _run_train(out, processes, overrides)
     (record,) = out.iterdir()
     (checkpoint,) = record.glob("checkpoint_*.pt")
     return torch.load(checkpoint, weights_only=True)["model"]
@@ -59,8 +62,8 @@ def test_two_processes_equal_one_with_the_doubled_micro_batch(tmp_path, source):
     common = [f"data.dir={data_dir}", "data.source=shards", f"model.vocab_size={VOCAB}", "model.seq_len=16",
               "train.dtype=float64", "train.updates=3", "train.checkpoint_every=3", "train.grad_accum=2",
               f"credit.source={source}"]
-    two = _train(tmp_path, "two", 2, common + ["train.micro_batch=2"])
-    one = _train(tmp_path, "one", 1, common + ["train.micro_batch=4"])
-    half = _train(tmp_path, "half", 1, common + ["train.micro_batch=2"])
+    two = _final_model(tmp_path, "two", 2, common + ["train.micro_batch=2"])
+    one = _final_model(tmp_path, "one", 1, common + ["train.micro_batch=4"])
+    half = _final_model(tmp_path, "half", 1, common + ["train.micro_batch=2"])
     assert _largest_relative_difference(two, one) <= 1e-10
     assert _largest_relative_difference(half, one) > 1e-3
