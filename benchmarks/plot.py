@@ -158,6 +158,49 @@ ARMS_FIGURES = [
 ]
 
 
+def step_lines(log: Path) -> list[dict]:
+    """Rank 0's step lines of a `creditlab train` log as rows: update, kind, seconds."""
+    rows = []
+    for line in log.read_text().splitlines():
+        parts = [p.strip() for p in line.split("|")]
+        if parts[0].startswith("update ") and len(parts) > 4 and parts[4].endswith(" s"):
+            rows.append({"update": int(parts[0].split()[1].split("/")[0]) - 1, "kind": parts[1],
+                         "seconds": float(parts[4][:-2])})
+    return rows
+
+
+def plot_ddp(ddp_json: Path, out: Path, name: str, logs: dict[str, Path] | None = None) -> Path:
+    """Seconds per update of every data-parallel run (a kind's first update, which compiles, left out), and
+    tokens/s against the one-GPU run. `logs` fills a run whose rows the script did not read from its log."""
+    data = json.loads(ddp_json.read_text())
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    throughput = {}
+    for run in data["runs"]:
+        rows, source = run["rows"], ""
+        if logs and run["name"] in logs and len(rows) < data["updates"]:
+            rows, source = step_lines(logs[run["name"]]), " (from its log)"
+        seen = set()
+        timed = [r for r in rows if (r["kind"] in seen) or seen.add(r["kind"])]  # each kind's first left out
+        ax1.plot([r["update"] + 1 for r in timed], [r["seconds"] for r in timed], "o-", ms=3,
+                 label=f"{run['name']}, {run['gpus']} GPU{'s' if run['gpus'] > 1 else ''}{source}")
+        for r in timed:
+            if r["kind"] == "teacher":
+                ax1.annotate("teacher", (r["update"] + 1, r["seconds"]), fontsize=7, xytext=(4, -3),
+                             textcoords="offset points")
+    for summary in data["summaries"]:
+        if "native" in summary:
+            throughput[f"{summary['name']}\n{summary['gpus']} GPU"] = summary["native"]["tokens_per_s"] / 1e6
+    ax1.set(xlabel="update", ylabel="s / update", title="seed preset, per update (compiling updates left out)")
+    ax1.legend(fontsize=8)
+    single = next(v for k, v in throughput.items() if k.endswith("\n1 GPU"))
+    bars = ax2.bar(list(throughput), list(throughput.values()), color="#4c72b0")
+    for bar, value in zip(bars, throughput.values()):
+        ax2.annotate(f"{value:.2f} M ({value / single:.2f}x)", (bar.get_x() + bar.get_width() / 2, value),
+                     ha="center", va="bottom", fontsize=8)
+    ax2.set(ylabel="M tokens / s (median)", title="native throughput")
+    return _save(fig, out / name)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(HERE), help="output folder")
@@ -170,6 +213,8 @@ def main() -> None:
               plot_arms(results / source, out, figure, title))
     print(plot_recompute_tradeoff(results / "arms_recompute_parts_seed.json", out, "recompute_parts_seed.png"))
     print(plot_clocks(results / "dmon_default_seed.txt", out, "clocks_seed.png"))
+    print(plot_ddp(results / "ddp_seed.json", out, "ddp_seed.png",
+                   {"ddp_learned": results / "ddp_seed_learned.log"}))
     print(plot_screens(HERE / "screen_records", out))
 
 

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from benchmark_scripts import load
 
@@ -46,3 +47,13 @@ def test_a_run_past_its_time_is_stopped_with_all_its_processes(tmp_path, monkeyp
     assert run["exit"] == "timeout"
     survivors = subprocess.run(["pgrep", "-f", f"train.out_dir={tmp_path}"], capture_output=True, text=True)
     assert survivors.stdout.strip() == "", survivors.stdout
+
+
+def test_step_lines_of_a_train_log_become_rows():
+    """plot.py reads a run's times from its log where the script could not read its rows (ddp_seed.md)."""
+    log = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "ddp_seed_learned.log"
+    rows = load("plot").step_lines(log)
+    assert [r["update"] for r in rows] == list(range(8))
+    assert [r["kind"] for r in rows] == ["teacher", "synthetic", "synthetic", "synthetic", "teacher", "synthetic",
+                                         "synthetic", "synthetic"]
+    assert rows[2]["seconds"] == 0.321 and rows[4]["seconds"] == 0.382
