@@ -1,6 +1,6 @@
 """The one entry point: `creditlab <command>`.
 
-Commands: data, flops, check, admit, screen, train, demo. Every command that builds a model takes
+Commands: data, flops, check, admit, screen, train, compare, heldout, report, demo. Every command that builds a model takes
 `--preset NAME` and repeatable `--set section.key=value`.
 """
 
@@ -122,14 +122,28 @@ def cmd_train(args) -> int:
         if every and (row.update + 1) % every == 0:
             trainer.save_checkpoint(record / f"checkpoint_{row.update + 1:06d}.pt")
 
-    rows = trainer.run(progress=not args.no_progress, on_row=on_row)
+    def on_eval(row):
+        if record is not None:
+            append_jsonl(record / "eval.jsonl", row.to_dict())
+
+    evaluator = None
+    if runtime.is_main and cfg.train.eval_tokens > 0:
+        from creditlab.evaluate import Evaluator
+        every = f"every {cfg.train.eval_every} updates and " if cfg.train.eval_every else ""
+        evaluator = Evaluator(cfg, runtime, purpose=f"train {record.name if record else 'unrecorded run'}: dev loss "
+                                                    f"{every}at the start and end")
+    rows = trainer.run(progress=not args.no_progress, on_row=on_row, evaluator=evaluator, on_eval=on_eval)
     if record is not None:  # a resumed run's result covers every update of its record
         rows = [UpdateRow(**r) for r in latest_rows(read_jsonl(record / "rows.jsonl"))]
     window = min(6, len(rows))
     result = {"updates": len(rows), "final_loss": rows[-1].loss, "first_loss": rows[0].loss,
               f"median_last{window}_s": median_last(rows, window),
               "peak_allocated_mib": max((r.peak_allocated_mib or 0.0) for r in rows) or None}
+    if record is not None and (record / "eval.jsonl").exists():
+        last = read_jsonl(record / "eval.jsonl")[-1]
+        result.update(dev_loss=last["loss"], dev_bits_per_byte=last["bits_per_byte"])
     if record:
+        trainer.save_model(record / "model.pt")
         write_once(record / "result.json", result)
         from creditlab.report import report
         report([record])
@@ -162,6 +176,62 @@ def _resumable(args):
     return record, cfg, checkpoints[-1]
 
 
+# ---- compare and heldout -----------------------------------------------------------------------------------
+
+def parse_seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise config_mod.ConfigError(f"--seeds {text!r}: give comma-separated integers, e.g. --seeds 1,2") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise config_mod.ConfigError(f"--seeds {text!r}: give distinct integers, e.g. --seeds 1,2")
+    return seeds
+
+
+def cmd_compare(args) -> int:
+    from pathlib import Path
+
+    from creditlab.arms import parse_arms
+    from creditlab.compare import CompareRun, verdicts
+    from creditlab.compare_report import table, write_report
+
+    base = load_config(args)
+    seeds = parse_seeds(args.seeds) if args.seeds else [base.train.seed]
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise config_mod.ConfigError(f"{out} exists and is not empty; records are append-only: choose a new --out")
+    if out.exists():
+        out.rmdir()
+    run = CompareRun(args.preset, args.overrides, parse_arms(args.arms), seeds, out, progress=not args.no_progress)
+    print_config(base)
+    result = run.run()
+    report = write_report(out, result)
+    if args.json:
+        print(json.dumps(result["summary"]))
+    else:
+        print("\n".join(table(result) + [""] + verdicts(result)))
+        print(f"report: {report}")
+    return 0
+
+
+def cmd_heldout(args) -> int:
+    from creditlab.protocol.admission import AdmissionError
+    from creditlab.protocol.heldout import HeldoutRefused, heldout
+
+    try:
+        result = heldout(args.run, args.admission, args.out_dir, args.tokens)
+    except (HeldoutRefused, AdmissionError) as exc:
+        print(f"creditlab: refused: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result))
+    else:
+        bpb = "" if result["bits_per_byte"] is None else f", {result['bits_per_byte']:.4f} bits/byte"
+        print(f"FINAL_HELDOUT of {args.run}: loss {result['loss']:.4f} nats/token{bpb} over {result['tokens']:,} "
+              f"tokens (admission {result['admission'][:16]}; the ledger allows no second read under it)")
+    return 0
+
+
 # ---- parser ------------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -188,6 +258,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="RUN_DIR", default=None,
                    help="continue an unfinished run from its newest checkpoint (train.checkpoint_every > 0)")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("compare", help="competence test: arms from one start on one data order, DEV loss, "
+                                       "gap closed, intermittent at equal GPU-seconds")
+    _config_args(p)
+    p.add_argument("--arms", required=True,
+                   help="comma-separated arms: native, oracle, zero, learned, dfa, dni, intermittent; an arm's own "
+                        "overrides as name@section.key=value")
+    p.add_argument("--seeds", default=None, help="comma-separated seeds (default: train.seed)")
+    p.add_argument("--out", required=True, help="a new folder for the comparison's records and report")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("heldout", help="FINAL_HELDOUT loss of a finished run, once per admission")
+    p.add_argument("run", help="a finished run's record folder (with model.pt)")
+    p.add_argument("--admission", required=True, help="admission id (or unique prefix, or its folder)")
+    p.add_argument("--out-dir", default="runs", help="folder holding admissions/ (default runs)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens to evaluate (default: the whole split)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_heldout)
 
     for register in _extensions():
         register(sub, _config_args)

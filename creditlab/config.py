@@ -117,6 +117,10 @@ class TrainConfig:
     log_every: int = 1
     checkpoint_every: int = 0  # > 0: write runs/<id>/checkpoint_<update>.pt every this many updates
     out_dir: str = "runs"
+    # DEV evaluation of `creditlab train` and `compare`: the loss on a fixed DEV subset of eval_tokens tokens every
+    # eval_every updates (0: only before the first and after the last update); eval_tokens=0 turns it off.
+    eval_every: int = 0
+    eval_tokens: int = 1_048_576
 
 
 @dataclass
@@ -132,12 +136,23 @@ class ScreenConfig:
 
 
 @dataclass
+class CompareConfig:
+    # Every align_every updates, each arm's gradient is compared with the exact gradient of the same batch (one
+    # extra exact backward, outside the timed update); 0 = never. Alignment is measured on the update with
+    # index u where u % align_every == align_every - 1, so with teacher_every dividing align_every it falls on
+    # synthetic updates (teacher updates are exact by construction).
+    align_every: int = 0
+    reference: str = "learned"  # the arm whose GPU-seconds `intermittent` is given
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     credit: CreditConfig = field(default_factory=CreditConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     screen: ScreenConfig = field(default_factory=ScreenConfig)
+    compare: CompareConfig = field(default_factory=CompareConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -167,7 +182,8 @@ def _tiny() -> Config:
     cfg.model = ModelConfig(layers=4, width=64, heads=2, mlp_hidden=256, seq_len=64, vocab_size=12_289,
                             value_embeds=2, gate_dim=8)
     cfg.train = TrainConfig(micro_batch=8, grad_accum=2, updates=60, lr_muon=0.02, lr_embed=0.05,
-                            lr_head=0.01, lr_scalar=0.02, warmup=5, loss_chunk=256, log_every=10)
+                            lr_head=0.01, lr_scalar=0.02, warmup=5, loss_chunk=256, log_every=10,
+                            eval_every=20, eval_tokens=16_384)
     cfg.credit = CreditConfig(rank=8)
     cfg.screen = ScreenConfig(updates=12)
     return cfg
@@ -261,6 +277,11 @@ def validate(cfg: Config) -> None:
     for key in ("micro_batch", "grad_accum", "updates", "loss_chunk"):
         if getattr(t, key) < 1:
             problems.append(f"train.{key} must be positive")
+    for key in ("eval_every", "eval_tokens"):
+        if getattr(t, key) < 0:
+            problems.append(f"train.{key} must be >= 0")
+    if cfg.compare.align_every < 0:
+        problems.append("compare.align_every must be >= 0")
     if t.compile not in ("auto", "on", "off"):
         problems.append(f"train.compile must be auto|on|off, got {t.compile!r}")
     if t.compile_mode not in COMPILE_MODES:

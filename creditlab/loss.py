@@ -90,6 +90,21 @@ def head_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, voca
     return FusedHeadLoss.apply(h, weight, targets, vocab_size, cap, chunk)
 
 
+@torch.no_grad()
+def head_loss_sum(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int, cap: float,
+                  chunk: int) -> torch.Tensor:
+    """Sum over targets of the same soft-capped cross-entropy, forward only: for evaluation. Chunk by chunk,
+    with no gradient work and only one chunk's logits alive; the sum in float32 or better."""
+    acc = torch.promote_types(h.dtype, torch.float32)
+    w = weight[:vocab_size].to(h.dtype)
+    total = torch.zeros((), dtype=acc, device=h.device)
+    for start in range(0, h.shape[0], chunk):
+        z = cap * torch.tanh((h[start:start + chunk] @ w.t()).to(acc) / cap)
+        picked = z.gather(1, targets[start:start + chunk, None])[:, 0]
+        total += (torch.logsumexp(z, dim=-1) - picked).sum()
+    return total
+
+
 def reference_head_loss(h, weight, targets, vocab_size: int, cap: float) -> torch.Tensor:
     """The same loss written plainly, for checks: materializes all logits."""
     logits = (h @ weight.t()).to(torch.promote_types(h.dtype, torch.float32))[:, :vocab_size]

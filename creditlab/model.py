@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from creditlab.config import ModelConfig
-from creditlab.loss import head_loss
+from creditlab.loss import head_loss, head_loss_sum
 
 
 def norm(x: torch.Tensor) -> torch.Tensor:
@@ -191,6 +191,12 @@ class GPT(nn.Module):
         loss = head_loss(h, self.head.weight, targets.flatten(), self.cfg.vocab_size, self.cfg.logit_cap,
                          loss_chunk)
         return credit.finish(loss)
+
+    def loss_sum(self, idx: torch.Tensor, targets: torch.Tensor, loss_chunk: int = 8_192) -> torch.Tensor:
+        """Summed next-token loss over all targets, forward only (evaluation): no gradient work in the head."""
+        h = norm(self.hidden(idx)).flatten(0, 1)
+        return head_loss_sum(h, self.head.weight, targets.flatten(), self.cfg.vocab_size, self.cfg.logit_cap,
+                             loss_chunk)
 
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
         """Soft-capped logits over the true vocabulary (B, T, V): for evaluation and tests, not training."""

@@ -17,12 +17,13 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from creditlab import data
 from creditlab import runtime as rt
+from creditlab.alignment import alignment
 from creditlab.config import Config
 from creditlab.credit import make_source
-from creditlab import data
 from creditlab.flops import flop_budget
-from creditlab.model import GPT
+from creditlab.model import EXACT, GPT
 from creditlab.optim import Optimizers
 
 
@@ -39,6 +40,7 @@ class UpdateRow:
     peak_reserved_mib: float | None
     mfu: float | None
     fit: dict | None = None  # on teacher updates: the predictor's fit to the true corrections
+    align: dict | None = None  # on alignment updates: {group: {cosine, norm_ratio}} against the exact gradient
 
     def line(self, total: int) -> str:
         parts = [f"update {self.update + 1:>4}/{total}", self.kind, f"loss {self.loss:.4f}",
@@ -94,37 +96,65 @@ class Trainer:
         k = self.cfg.credit.teacher_every
         return "teacher" if self.source.fits and k and update % k == 0 else "synthetic"
 
-    def train_update(self) -> UpdateRow:
+    def train_update(self, align: bool = False) -> UpdateRow:
+        """One update: grad_accum micro-batches, then the optimizer step and the source's end of update.
+
+        With `align`, the update's gradient is also compared with the exact gradient of the same micro-batches,
+        between the backward passes and the step and outside the timed regions (see `measure_alignment`)."""
         cfg, runtime = self.cfg.train, self.runtime
         update, kind = self.update_index, self.update_kind(self.update_index)
         rt.reset_peak_memory(runtime)
-        losses = []
-        with rt.Timer(runtime) as timer:
+        losses, batches = [], []
+        with rt.Timer(runtime) as passes:
             for micro in range(cfg.grad_accum):
                 inputs, targets = self._batch()
+                if align:
+                    batches.append((inputs, targets))
                 sync = self.ddp is None or micro == cfg.grad_accum - 1
                 with self.ddp.no_sync() if not sync else contextlib.nullcontext():
                     if kind == "teacher":
                         losses.append(self.source.teach(self, inputs, targets, 1.0 / cfg.grad_accum))
                     else:
-                        credit = self.source.step() if kind == "synthetic" else self.source.exact_step()
+                        credit = self.source.context(self, inputs, targets, kind)
                         losses.append(self.forward_backward(inputs, targets, credit, 1.0 / cfg.grad_accum))
+        aligned = self.measure_alignment(batches) if align else None
+        with rt.Timer(runtime) as step:
             lr_scale = self.optimizers.step(update)
             self.optimizers.zero_grad()
             # After the model's step: the fit's report reads its metrics on the host, and a synchronization
             # before the step would leave the GPU idle while the host launches the optimizer's many kernels.
             fit = self.source.end_update(kind)
             loss = torch.stack(losses).mean().item()
+        seconds = passes.seconds + step.seconds
         tokens = cfg.grad_accum * cfg.micro_batch * self.cfg.model.seq_len * runtime.world_size
         alloc, reserved = rt.peak_memory_mib(runtime)
-        tps = tokens / timer.seconds
+        tps = tokens / seconds
         mfu = None if self.peak_tflops is None else \
             tps * self.flops_per_token / (self.peak_tflops * 1e12 * runtime.world_size)
         self.update_index += 1
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at update {update + 1}; lower the learning rates "
                                      f"(--set train.lr_muon=..., train.lr_embed=...)")
-        return UpdateRow(update, kind, loss, timer.seconds, tokens, tps, lr_scale, alloc, reserved, mfu, fit)
+        return UpdateRow(update, kind, loss, seconds, tokens, tps, lr_scale, alloc, reserved, mfu, fit, aligned)
+
+    def measure_alignment(self, batches) -> dict:
+        """The accumulated gradient of this update against the exact gradient of the same micro-batches, per
+        trunk parameter group. The exact pass runs with every gradient of the update set aside and put back
+        after it, so it changes no training state: parameters, gradients, optimizer, source, loader and RNG."""
+        if self.ddp is not None:
+            raise RuntimeError("gradient alignment runs in one process (compare), not under DDP")
+        params = dict(self.model.named_parameters())
+        kept = {name: p.grad for name, p in params.items()}
+        for p in params.values():
+            p.grad = None
+        for inputs, targets in batches:
+            self.forward_backward(inputs, targets, EXACT, 1.0 / len(batches))
+        trunk = [name for name, _ in self.model.trunk_parameters()]
+        exact = {name: params[name].grad for name in trunk}
+        result = alignment({name: kept[name] for name in trunk}, exact)
+        for name, p in params.items():
+            p.grad = kept[name]
+        return result
 
     def state_dict(self) -> dict:
         """Everything a resumed run needs: model, optimizers, credit source (predictor and its optimizer),
@@ -139,6 +169,13 @@ class Trainer:
         torch.save(self.state_dict(), tmp)
         os.replace(tmp, path)
 
+    def save_model(self, path) -> None:
+        """The trained model alone (what `creditlab heldout` evaluates), with the config that built it."""
+        tmp = f"{path}.tmp"
+        torch.save({"model": self.model.state_dict(), "config": self.cfg.to_dict(), "update": self.update_index},
+                   tmp)
+        os.replace(tmp, path)
+
     def load_checkpoint(self, path) -> None:
         state = torch.load(path, map_location=self.runtime.device, weights_only=True)
         self.model.load_state_dict(state["model"])
@@ -150,23 +187,49 @@ class Trainer:
         self.loader.load_state_dict(state["loader"])
         self.update_index = state["update"]
 
-    def run(self, updates: int | None = None, progress: bool = True, on_row=None) -> list[UpdateRow]:
+    def run(self, updates: int | None = None, progress: bool = True, on_row=None, evaluator=None, on_eval=None,
+            align_every: int = 0, bar=None) -> list[UpdateRow]:
+        """Train `updates` updates (default: the rest of train.updates). With an `evaluator` (evaluate.py), the
+        model is evaluated before the first update of a fresh run, every train.eval_every updates and after the
+        last; each EvalRow goes to `on_eval`. `bar`: an outer progress bar to advance instead of a new one."""
         from tqdm import tqdm
 
         count = updates if updates is not None else self.cfg.train.updates - self.update_index
         total = max(self.cfg.train.updates, self.update_index + count)  # for "update i/total" after a resume
+        every = self.cfg.train.eval_every
         rows = []
         # A bar only on a terminal; logs and pipes get the plain step lines.
         progress = progress and self.runtime.is_main and sys.stderr.isatty()
-        bar = tqdm(range(count), desc="train", unit="update", disable=not progress, dynamic_ncols=True)
-        for _ in bar:
-            row = self.train_update()
+        own_bar = bar is None
+        if own_bar:
+            bar = tqdm(total=count, desc="train", unit="update", disable=not progress, dynamic_ncols=True)
+        say = bar.write if progress else (lambda line: print(line, flush=True))
+
+        def evaluate():
+            row = evaluator(self.model, self.update_index)
+            if on_eval is not None:
+                on_eval(row)
+            if self.runtime.is_main:
+                bpb = "" if row.bits_per_byte is None else f", {row.bits_per_byte:.4f} bits/byte"
+                say(f"eval after {row.update} updates: {row.split} loss {row.loss:.4f}{bpb} "
+                    f"({row.tokens:,} tokens, {row.seconds:.1f} s)")
+
+        if evaluator is not None and self.update_index == 0:
+            evaluate()
+        for i in range(count):
+            align = align_every > 0 and self.update_index % align_every == align_every - 1
+            row = self.train_update(align=align)
             rows.append(row)
             if on_row is not None:
                 on_row(row)
+            bar.update(1)
             bar.set_postfix(loss=f"{row.loss:.3f}", s=f"{row.seconds:.3f}")
             if self.runtime.is_main and (row.update % self.cfg.train.log_every == 0 or row.update == total - 1):
-                bar.write(row.line(total)) if progress else print(row.line(total), flush=True)
+                say(row.line(total))
+            if evaluator is not None and ((every and self.update_index % every == 0) or i == count - 1):
+                evaluate()
+        if own_bar:
+            bar.close()
         return rows
 
 

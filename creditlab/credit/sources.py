@@ -21,6 +21,8 @@ How a correction reaches the residual gradient without a second backward pass or
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 
@@ -78,6 +80,19 @@ class RecordCredit(ExactCredit):
         return n_omit
 
 
+class BranchInputCredit(ExactCredit):
+    """Exact backprop that keeps, per branch, the separate node the omitted product reads: the gradient of the
+    loss with respect to it is that branch's true correction (torch.autograd.grad, no parameter gradients)."""
+
+    def __init__(self):
+        self.inputs: list[torch.Tensor] = []
+
+    def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
+        n_omit = n.view_as(n)
+        self.inputs.append(n_omit)
+        return n_omit
+
+
 class CreditSource(nn.Module):
     """Base: the exact source. Subclasses override `step`."""
 
@@ -92,6 +107,11 @@ class CreditSource(nn.Module):
     def exact_step(self) -> ExactCredit:
         """The context of one exact micro-batch."""
         return ExactCredit()
+
+    def context(self, trainer, inputs: torch.Tensor, targets: torch.Tensor, kind: str) -> ExactCredit:
+        """The context of one micro-batch of a synthetic or native update. Sources whose corrections depend on
+        the batch itself (`oracle`) read it here; the others ignore it."""
+        return self.step() if kind == "synthetic" else self.exact_step()
 
     def end_update(self, kind: str) -> dict | None:
         """Called after each update's micro-batches; a fitting source applies its fit and reports it."""
@@ -128,7 +148,10 @@ class ZeroSource(CreditSource):
 
 
 class OracleSource(CreditSource):
-    """True corrections, recorded from an exact pass over the same batch (`record`), then injected."""
+    """True corrections of the same batch, recorded from an exact pass over it, then injected: the synthetic
+    backward must then give native's gradients, so an `oracle` arm trains as native does (a sanity arm). The
+    recording pass costs one more forward and backward and holds all 16 corrections: it is a check, not a
+    method."""
 
     name, omits = "oracle", True
 
@@ -136,12 +159,20 @@ class OracleSource(CreditSource):
         super().__init__()
         self.corrections: list[torch.Tensor | None] | None = None
 
-    def record(self, model: GPT, idx: torch.Tensor, targets: torch.Tensor, **kw) -> torch.Tensor:
-        rec = RecordCredit(model.cfg.branches)
-        loss = model(idx, targets, credit=rec, **kw)
-        loss.backward()
-        self.corrections = rec.corrections
-        return loss
+    def record(self, model: GPT, idx: torch.Tensor, targets: torch.Tensor, autocast=None, **kw) -> torch.Tensor:
+        """Record the true corrections of (idx, targets) without touching any parameter's gradient."""
+        rec = BranchInputCredit()
+        with autocast if autocast is not None else contextlib.nullcontext():
+            loss = model(idx, targets, credit=rec, **kw)
+        self.corrections = [g.detach() for g in torch.autograd.grad(loss, rec.inputs)]
+        return loss.detach()
+
+    def context(self, trainer, inputs, targets, kind: str) -> ExactCredit:
+        if kind != "synthetic":
+            return self.exact_step()
+        self.record(trainer.model, inputs, targets, trainer.runtime.autocast(),
+                    loss_chunk=trainer.cfg.train.loss_chunk)
+        return self.step()
 
     def step(self) -> InjectCredit:
         if self.corrections is None:

@@ -28,17 +28,20 @@ class VocabMismatchError(ValueError):
 
 
 def make_loader(cfg, split: str = "train", rank: int = 0, world_size: int = 1, *, position: int = 0,
-                purpose: str | None = None, admission: str | None = None, allow_final_heldout: bool = False):
+                purpose: str | None = None, admission: str | None = None, allow_final_heldout: bool = False,
+                seed: int | None = None):
     """The loader a run of `cfg` reads `split` from: SyntheticLoader or ShardLoader, with one interface.
 
     For shards, the prepared tokenizer's vocab_size must equal cfg.model.vocab_size. DEV/FINAL_HELDOUT reads
-    of shards need a `purpose` and are written to the access ledger with it and `admission`.
+    of shards need a `purpose` and are written to the access ledger with it and `admission`. `seed` replaces
+    cfg.train.seed as the order's seed (evaluation reads one fixed subset whatever the run's seed).
     """
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; splits: {', '.join(SPLITS)}")
     m, t = cfg.model, cfg.train
+    seed = t.seed if seed is None else seed
     if cfg.data.source == "synthetic":
-        return SyntheticLoader(m.vocab_size, t.micro_batch, m.seq_len, t.seed, rank, world_size,
+        return SyntheticLoader(m.vocab_size, t.micro_batch, m.seq_len, seed, rank, world_size,
                                SYNTHETIC_SPLIT_OFFSET[split] + position)
     if cfg.data.source != "shards":
         raise ValueError(f"unknown data.source {cfg.data.source!r}; valid: {', '.join(DATA_SOURCES)} "
@@ -47,7 +50,7 @@ def make_loader(cfg, split: str = "train", rank: int = 0, world_size: int = 1, *
     tok = manifest["tokenizer"]
     if tok["vocab_size"] != m.vocab_size:
         raise VocabMismatchError(_vocab_mismatch(cfg, manifest))
-    return ShardLoader(cfg.data.dir, split, t.micro_batch, m.seq_len, t.seed, rank, world_size, position,
+    return ShardLoader(cfg.data.dir, split, t.micro_batch, m.seq_len, seed, rank, world_size, position,
                        purpose=purpose, admission=admission, allow_final_heldout=allow_final_heldout)
 
 
