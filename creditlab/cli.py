@@ -203,6 +203,7 @@ def cmd_compare(args) -> int:
     if out.exists():
         out.rmdir()
     run = CompareRun(args.preset, args.overrides, parse_arms(args.arms), seeds, out, progress=not args.no_progress)
+    run.check(base)
     print_config(base)
     result = run.run()
     report = write_report(out, result)
