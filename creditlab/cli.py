@@ -192,20 +192,30 @@ def cmd_compare(args) -> int:
     from pathlib import Path
 
     from creditlab.arms import parse_arms
-    from creditlab.compare import CompareRun, verdicts
+    from creditlab.compare import CompareRun, merge, verdicts
     from creditlab.compare_report import table, write_report
 
-    base = load_config(args)
-    seeds = parse_seeds(args.seeds) if args.seeds else [base.train.seed]
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         raise config_mod.ConfigError(f"{out} exists and is not empty; records are append-only: choose a new --out")
     if out.exists():
         out.rmdir()
-    run = CompareRun(args.preset, args.overrides, parse_arms(args.arms), seeds, out, progress=not args.no_progress)
-    run.check(base)
-    print_config(base)
-    result = run.run()
+    if args.merge:
+        folders = [Path(f) for f in args.merge]
+        missing = [str(f) for f in folders if not (f / "compare.json").exists()]
+        if missing:
+            raise config_mod.ConfigError(f"--merge: no compare.json in {', '.join(missing)}")
+        result = merge(folders, out)
+    else:
+        if not args.arms:
+            raise config_mod.ConfigError("compare needs --arms (e.g. --arms native,zero,learned), or --merge DIR ...")
+        base = load_config(args)
+        seeds = parse_seeds(args.seeds) if args.seeds else [base.train.seed]
+        run = CompareRun(args.preset, args.overrides, parse_arms(args.arms), seeds, out,
+                         progress=not args.no_progress)
+        run.check(base)
+        print_config(base)
+        result = run.run()
     report = write_report(out, result)
     if args.json:
         print(json.dumps(result["summary"]))
@@ -263,11 +273,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="competence test: arms from one start on one data order, DEV loss, "
                                        "gap closed, intermittent at equal GPU-seconds")
     _config_args(p)
-    p.add_argument("--arms", required=True,
+    p.add_argument("--arms", default=None,
                    help="comma-separated arms: native, oracle, zero, learned, dfa, dni, intermittent; an arm's own "
                         "overrides as name@section.key=value")
     p.add_argument("--seeds", default=None, help="comma-separated seeds (default: train.seed)")
     p.add_argument("--out", required=True, help="a new folder for the comparison's records and report")
+    p.add_argument("--merge", nargs="+", metavar="DIR", default=None,
+                   help="instead of training: one report from compare folders of the same arms at other seeds")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_compare)

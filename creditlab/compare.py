@@ -1,8 +1,9 @@
 """`creditlab compare`: the competence test. Arms trained from the same start on the same data, evaluated on DEV.
 
 For every seed, every arm starts from the same initialization and reads the same TRAIN windows in the same
-order (both follow train.seed), all in one process, one arm after the other; `intermittent` runs last, with the
-updates that the reference arm's GPU-seconds buy at native's measured speed. Each arm-seed is a run record
+order (both follow train.seed), all in one process. The arms are interleaved: all resident, one update of each
+per round in rotated order, so the clock's drift falls on all alike. `intermittent` runs after them, alone,
+with the updates that the reference arm's GPU-seconds buy at native's speed, both measured side by side. Each arm-seed is a run record
 (`DIR/<arm>-seed<seed>/`: config, rows, eval rows, result, model); `compare.json` holds every number, and
 compare_report.py writes `report.md` with the tables and figures from the folder.
 
@@ -30,7 +31,7 @@ from creditlab import runtime as rt
 from creditlab.arms import ArmSpec, arm_config
 from creditlab.evaluate import Evaluator
 from creditlab.protocol.records import append_jsonl, read_jsonl, write_once
-from creditlab.train import Trainer, UpdateRow, row_dict
+from creditlab.train import Trainer, row_dict
 
 FORMAT = "creditlab-compare/1"
 
@@ -107,6 +108,7 @@ class CompareRun:
             raise config_mod.ConfigError("compare evaluates on DEV: train.eval_tokens must be > 0")
 
     def run(self) -> dict:
+        """Train every arm at every seed; write and return compare.json's content."""
         from tqdm import tqdm
 
         base = config_mod.load(self.preset, self.overrides)
@@ -120,22 +122,52 @@ class CompareRun:
         write_once(self.out / "env.json", {**rt.environment(runtime), "matmul_tflops": peak})
         planned = sum(arm_config(self.preset, self.overrides, s, seed).train.updates
                       for s in self.specs for seed in self.seeds)
-        bar = tqdm(total=planned, desc="compare", unit="update", dynamic_ncols=True,
-                   disable=not (self.progress and sys.stderr.isatty()))
+        show = self.progress and sys.stderr.isatty()
+        bar = tqdm(total=planned, desc="compare", unit="update", dynamic_ncols=True, disable=not show)
+        say = bar.write if show else (lambda line: print(line, flush=True))
         start = time.time()
         for seed in self.seeds:
-            for spec in self.ordered():
-                updates = self.intermittent_updates(spec, seed, base) if spec.arm.budgeted else None
-                cfg = arm_config(self.preset, self.overrides, spec, seed, updates)
-                if updates is not None:
-                    bar.total += updates - base.train.updates
-                    bar.refresh()
-                bar.set_description(f"compare {spec.label} seed {seed}")
-                self.runs.setdefault(spec.label, {})[seed] = self.run_arm(spec, cfg, seed, runtime, peak, bar)
+            fixed = [s for s in self.ordered() if not s.arm.budgeted]
+            self.run_interleaved([ArmRun.build(self, s, arm_config(self.preset, self.overrides, s, seed), seed,
+                                               runtime, peak) for s in fixed], bar, say)
+            for spec in (s for s in self.ordered() if s.arm.budgeted):  # after their reference: alone
+                updates = self.intermittent_updates(spec, seed, base)
+                bar.total += updates - base.train.updates
+                say(f"{spec.label} seed {seed}: {self.intermittent[seed]['derivation']}")
+                if runtime.compile:
+                    torch._dynamo.reset()
+                arm = ArmRun.build(self, spec, arm_config(self.preset, self.overrides, spec, seed, updates), seed,
+                                   runtime, peak)
+                self.run_interleaved([arm], bar, say)
         bar.close()
         result = self.result(base, time.time() - start)
         write_once(self.out / "compare.json", result)
         return result
+
+    def run_interleaved(self, arms: list["ArmRun"], bar, say) -> None:
+        """All arms resident; each round runs one update of every unfinished arm, the order rotated each round,
+        so drift of the clock (a GPU under its power limit, a busy host) falls on every arm alike."""
+        if arms and arms[0].trainer.runtime.compile:
+            # Every arm's compiled graphs stay cached side by side: the compiler's per-function limit is raised,
+            # or later arms would silently run eagerly.
+            for limit in ("recompile_limit", "cache_size_limit"):
+                if hasattr(torch._dynamo.config, limit):
+                    setattr(torch._dynamo.config, limit, max(64, getattr(torch._dynamo.config, limit)))
+        for arm in arms:
+            arm.trainer.evaluate(arm.evaluator, arm.on_eval, say)
+        live = list(arms)
+        rounds = max(a.cfg.train.updates for a in arms)
+        every = max(1, rounds // 20)
+        for r in range(rounds):
+            k = r % len(live) if live else 0
+            for arm in live[k:] + live[:k]:
+                arm.step(bar, say)
+            if (r + 1) % every == 0 or r == rounds - 1:
+                say(f"round {r + 1}/{rounds}: " + ", ".join(
+                    f"{a.spec.label} loss {a.rows[-1]['loss']:.3f} {a.rows[-1]['seconds']:.3f} s" for a in arms))
+            live = [a for a in live if not a.done]
+        for arm in arms:
+            self.runs.setdefault(arm.spec.label, {})[arm.seed] = arm.finish()
 
     def intermittent_updates(self, spec: ArmSpec, seed: int, base: config_mod.Config) -> int:
         ref = base.compare.reference
@@ -159,38 +191,6 @@ class CompareRun:
         }
         return updates
 
-    def run_arm(self, spec: ArmSpec, cfg: config_mod.Config, seed: int, runtime, peak, bar) -> dict:
-        folder = self.out / f"{spec.label.replace('@', '+').replace('=', '-')}-seed{seed}"
-        folder.mkdir()
-        write_once(folder / "config.json", cfg.to_dict())
-        write_once(folder / "arm.json", {"label": spec.label, "arm": spec.arm.name, "about": spec.arm.about,
-                                         "overrides": list(spec.overrides), "seed": seed})
-        if runtime.compile:
-            torch._dynamo.reset()  # a fresh compiler per arm: its per-function cache would fill up otherwise
-        trainer = Trainer(cfg, runtime, peak_tflops=peak)
-        evaluator = Evaluator(cfg, runtime, purpose=f"compare {self.out.name}: arm {spec.label}, seed {seed}, dev "
-                                                    f"loss every {cfg.train.eval_every or cfg.train.updates} updates")
-        rows, evals = [], []
-
-        def on_row(row: UpdateRow):
-            rows.append(row_dict(row))
-            append_jsonl(folder / "rows.jsonl", rows[-1])
-
-        def on_eval(row):
-            evals.append(row.to_dict())
-            append_jsonl(folder / "eval.jsonl", evals[-1])
-
-        trainer.run(progress=self.progress, on_row=on_row, evaluator=evaluator, on_eval=on_eval,
-                    align_every=cfg.compare.align_every, bar=bar)
-        trainer.save_model(folder / "model.pt")
-        summary = arm_summary(rows, evals) | {"record": folder.name}
-        write_once(folder / "result.json", summary)
-        del trainer, evaluator
-        gc.collect()
-        if runtime.is_cuda:
-            torch.cuda.empty_cache()
-        return summary
-
     def result(self, base: config_mod.Config, seconds: float) -> dict:
         return {
             "format": FORMAT, "preset": self.preset, "overrides": self.overrides, "seeds": self.seeds,
@@ -203,6 +203,68 @@ class CompareRun:
             "summary": summarize(self.runs),
             "wall_seconds": seconds,
         }
+
+
+class ArmRun:
+    """One arm at one seed in a comparison: its trainer, evaluator and record folder."""
+
+    def __init__(self, spec: ArmSpec, cfg: config_mod.Config, seed: int, folder: Path, trainer: Trainer,
+                 evaluator: Evaluator):
+        self.spec, self.cfg, self.seed, self.folder = spec, cfg, seed, folder
+        self.trainer, self.evaluator = trainer, evaluator
+        self.rows: list[dict] = []
+        self.evals: list[dict] = []
+        self.resident = 0  # bytes this arm keeps allocated between updates (CUDA)
+
+    @classmethod
+    def build(cls, compare: "CompareRun", spec: ArmSpec, cfg: config_mod.Config, seed: int, runtime,
+              peak) -> "ArmRun":
+        folder = compare.out / f"{spec.label.replace('@', '+').replace('=', '-')}-seed{seed}"
+        folder.mkdir()
+        write_once(folder / "config.json", cfg.to_dict())
+        write_once(folder / "arm.json", {"label": spec.label, "arm": spec.arm.name, "about": spec.arm.about,
+                                         "overrides": list(spec.overrides), "seed": seed})
+        before = torch.cuda.memory_allocated(runtime.device) if runtime.is_cuda else 0
+        trainer = Trainer(cfg, runtime, peak_tflops=peak)
+        evaluator = Evaluator(cfg, runtime, purpose=f"compare {compare.out.name}: arm {spec.label}, seed {seed}, "
+                                                    f"dev loss every {cfg.train.eval_every or cfg.train.updates} "
+                                                    "updates")
+        arm = cls(spec, cfg, seed, folder, trainer, evaluator)
+        if runtime.is_cuda:
+            arm.resident = torch.cuda.memory_allocated(runtime.device) - before
+        return arm
+
+    @property
+    def done(self) -> bool:
+        return self.trainer.update_index >= self.cfg.train.updates
+
+    def on_eval(self, row) -> None:
+        self.evals.append(row.to_dict())
+        append_jsonl(self.folder / "eval.jsonl", self.evals[-1])
+
+    def step(self, bar, say) -> None:
+        runtime = self.trainer.runtime
+        before = torch.cuda.memory_allocated(runtime.device) if runtime.is_cuda else 0
+        row = self.trainer.advance(self.evaluator, self.on_eval, self.cfg.compare.align_every,
+                                   last=self.trainer.update_index == self.cfg.train.updates - 1, say=say)
+        if runtime.is_cuda:  # the peak as if this arm ran alone: other arms' resident bytes taken off
+            row.peak_allocated_mib -= (before - self.resident) / 2**20
+            row.peak_reserved_mib = None  # one pool for all arms: not an arm's own figure
+            self.resident += torch.cuda.memory_allocated(runtime.device) - before
+        self.rows.append(row_dict(row))
+        append_jsonl(self.folder / "rows.jsonl", self.rows[-1])
+        bar.update(1)
+
+    def finish(self) -> dict:
+        self.trainer.save_model(self.folder / "model.pt")
+        summary = arm_summary(self.rows, self.evals) | {"record": self.folder.name}
+        write_once(self.folder / "result.json", summary)
+        is_cuda = self.trainer.runtime.is_cuda
+        self.trainer = self.evaluator = None
+        gc.collect()
+        if is_cuda:
+            torch.cuda.empty_cache()
+        return summary
 
 
 def _stats(values: list[float]) -> dict:
@@ -264,10 +326,46 @@ def verdicts(result: dict) -> list[str]:
     return lines
 
 
-def load_runs(out: Path) -> dict:
-    """Rows and eval rows of every arm-seed record in a compare folder (for figures)."""
+def merge(folders: list[Path], out: Path) -> dict:
+    """One comparison from several compare folders of the same arms and settings run at different seeds (in
+    separate processes: within a seed the arms still shared one process). The records stay where they are;
+    the merged compare.json names them."""
+    results = [json.loads((Path(f) / "compare.json").read_text()) for f in folders]
+    first = results[0]
+    for f, r in zip(folders, results):
+        for key in ("preset", "overrides", "arms", "tokens_per_update", "eval"):
+            if r[key] != first[key]:
+                raise config_mod.ConfigError(f"{f}: its {key} differs from {folders[0]}'s; only runs of one "
+                                             "comparison at other seeds can be merged")
+    runs: dict = {}
+    intermittent: dict = {}
+    for f, r in zip(folders, results):
+        for label, by_seed in r["runs"].items():
+            for seed, summary in by_seed.items():
+                if seed in runs.get(label, {}):
+                    raise config_mod.ConfigError(f"{f}: arm {label} seed {seed} is in two of the folders")
+                runs.setdefault(label, {})[seed] = summary | {"record": str(Path(f) / summary["record"])}
+        intermittent.update(r["intermittent"])
+    out.mkdir(parents=True, exist_ok=False)
+    merged = first | {"seeds": sorted({int(s) for by_seed in runs.values() for s in by_seed}), "runs": runs,
+                      "intermittent": intermittent, "summary": summarize(runs),
+                      "merged_from": [str(f) for f in folders],
+                      "wall_seconds": sum(r["wall_seconds"] for r in results)}
+    write_once(out / "compare.json", merged)
+    return merged
+
+
+def record_dirs(out: Path, result: dict) -> list[Path]:
+    """The arm-seed record folders of a comparison (its own, or those a merged one names)."""
+    if "merged_from" in result:
+        return [Path(s["record"]) for by_seed in result["runs"].values() for s in by_seed.values()]
+    return sorted(p for p in out.iterdir() if (p / "arm.json").exists())
+
+
+def load_runs(folders: list[Path]) -> dict:
+    """Rows and eval rows of arm-seed record folders, by arm label and seed (for figures)."""
     found = {}
-    for folder in sorted(p for p in out.iterdir() if (p / "arm.json").exists()):
+    for folder in folders:
         arm = json.loads((folder / "arm.json").read_text())
         rows = read_jsonl(folder / "rows.jsonl") if (folder / "rows.jsonl").exists() else []
         evals = read_jsonl(folder / "eval.jsonl") if (folder / "eval.jsonl").exists() else []

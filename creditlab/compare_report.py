@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from creditlab.compare import load_runs, steady_seconds, verdicts
+from creditlab.compare import load_runs, record_dirs, steady_seconds, verdicts
 from creditlab.protocol.records import write_once
 
 FIGURES = ("dev_vs_updates.png", "dev_vs_gpu_seconds.png", "fit_quality.png", "alignment.png")
@@ -44,7 +44,9 @@ def markdown(result: dict) -> str:
              f"{result['tokens_per_update']:,} tokens per update; DEV loss on a fixed subset of "
              f"{result['eval']['tokens']:,} tokens" + (f" every {result['eval']['every']} updates"
                                                       if result['eval']['every'] else "") + ".",
-             f"Overrides: {' '.join(result['overrides']) or 'none'}.", "",
+             f"Overrides: {' '.join(result['overrides']) or 'none'}."] + (
+                [f"Merged from {', '.join(result['merged_from'])}: each seed ran in its own process, the arms of a "
+                 "seed together in one."] if "merged_from" in result else []) + ["",
              "Final DEV loss is mean ± spread (highest minus lowest seed)" + (
                  "; one seed: no spread" if len(seeds) < 2 else "") + ". Gap closed = (L_zero - L_arm) / "
              "(L_zero - L_native), per seed, then over seeds. GPU-s: per kind of update, the median seconds x "
@@ -73,7 +75,7 @@ def figures(out: Path, result: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = load_runs(out)
+    runs = load_runs(record_dirs(out, result))
     colors = {label: plt.cm.tab10(i % 10) for i, label in enumerate(runs)}
 
     for name, x_of in (("dev_vs_updates.png", "updates"), ("dev_vs_gpu_seconds.png", "gpu_seconds")):

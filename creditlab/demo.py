@@ -2,7 +2,7 @@
 
 Prepares the built-in prose corpus (cached after the first run), prints the FLOP accounting of the seed
 model, runs the float64 credit checks, trains the tiny model natively and with learned credit on the corpus,
-and runs an exploratory resource screen.
+compares four arms on DEV loss, and runs an exploratory resource screen.
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ def cmd_demo(args) -> int:
          ["train", "--preset", "tiny", "--set", "data.source=shards", "--set", f"data.dir={args.data}",
           "--set", f"train.updates={args.updates}", "--set", "credit.source=learned",
           "--set", f"train.out_dir={runs}"]),
+        ("compare: native, zero, learned and intermittent from one start, DEV loss and gap closed",
+         ["compare", "--preset", "tiny", "--arms", "native,zero,learned,intermittent", "--set", "data.source=shards",
+          "--set", f"data.dir={args.data}", "--set", f"train.updates={args.updates}", "--set", "compare.align_every=4",
+          "--out", f"{runs}/compare"]),
         ("screen: exploratory two-arm resource screen (native vs learned, zero decoders)",
          ["screen", "--preset", "tiny", "--set", "data.source=shards", "--set", f"data.dir={args.data}"]),
     ]
@@ -54,7 +58,8 @@ def cmd_demo(args) -> int:
 
 
 def add_commands(sub, config_args) -> None:
-    p = sub.add_parser("demo", help="the whole path at tiny size on the CPU (data, flops, check, train, screen)")
+    p = sub.add_parser("demo", help="the whole path at tiny size on the CPU (data, flops, check, train, compare, "
+                                    "screen)")
     p.add_argument("--data", default="data/prose", help="prepared corpus folder (default data/prose)")
     p.add_argument("--updates", type=int, default=60, help="updates per training run (default 60)")
     p.set_defaults(func=cmd_demo)

@@ -187,49 +187,49 @@ class Trainer:
         self.loader.load_state_dict(state["loader"])
         self.update_index = state["update"]
 
+    def evaluate(self, evaluator, on_eval=None, say=print) -> None:
+        """Evaluate the model now (evaluate.py); the row goes to `on_eval`, a line to `say`."""
+        row = evaluator(self.model, self.update_index)
+        if on_eval is not None:
+            on_eval(row)
+        if self.runtime.is_main:
+            bpb = "" if row.bits_per_byte is None else f", {row.bits_per_byte:.4f} bits/byte"
+            say(f"eval after {row.update} updates: {row.split} loss {row.loss:.4f}{bpb} "
+                f"({row.tokens:,} tokens, {row.seconds:.1f} s)")
+
+    def advance(self, evaluator=None, on_eval=None, align_every: int = 0, last: bool = False, say=print) -> UpdateRow:
+        """One update, with gradient alignment on every `align_every`-th and evaluation every train.eval_every
+        updates and after the `last` one."""
+        align = align_every > 0 and self.update_index % align_every == align_every - 1
+        row = self.train_update(align=align)
+        every = self.cfg.train.eval_every
+        if evaluator is not None and ((every and self.update_index % every == 0) or last):
+            self.evaluate(evaluator, on_eval, say)
+        return row
+
     def run(self, updates: int | None = None, progress: bool = True, on_row=None, evaluator=None, on_eval=None,
-            align_every: int = 0, bar=None) -> list[UpdateRow]:
-        """Train `updates` updates (default: the rest of train.updates). With an `evaluator` (evaluate.py), the
-        model is evaluated before the first update of a fresh run, every train.eval_every updates and after the
-        last; each EvalRow goes to `on_eval`. `bar`: an outer progress bar to advance instead of a new one."""
+            align_every: int = 0) -> list[UpdateRow]:
+        """Train `updates` updates (default: the rest of train.updates). With an `evaluator`, the model is also
+        evaluated before the first update of a fresh run, every train.eval_every updates and after the last."""
         from tqdm import tqdm
 
         count = updates if updates is not None else self.cfg.train.updates - self.update_index
         total = max(self.cfg.train.updates, self.update_index + count)  # for "update i/total" after a resume
-        every = self.cfg.train.eval_every
         rows = []
         # A bar only on a terminal; logs and pipes get the plain step lines.
         progress = progress and self.runtime.is_main and sys.stderr.isatty()
-        own_bar = bar is None
-        if own_bar:
-            bar = tqdm(total=count, desc="train", unit="update", disable=not progress, dynamic_ncols=True)
+        bar = tqdm(range(count), desc="train", unit="update", disable=not progress, dynamic_ncols=True)
         say = bar.write if progress else (lambda line: print(line, flush=True))
-
-        def evaluate():
-            row = evaluator(self.model, self.update_index)
-            if on_eval is not None:
-                on_eval(row)
-            if self.runtime.is_main:
-                bpb = "" if row.bits_per_byte is None else f", {row.bits_per_byte:.4f} bits/byte"
-                say(f"eval after {row.update} updates: {row.split} loss {row.loss:.4f}{bpb} "
-                    f"({row.tokens:,} tokens, {row.seconds:.1f} s)")
-
         if evaluator is not None and self.update_index == 0:
-            evaluate()
-        for i in range(count):
-            align = align_every > 0 and self.update_index % align_every == align_every - 1
-            row = self.train_update(align=align)
+            self.evaluate(evaluator, on_eval, say)
+        for i in bar:
+            row = self.advance(evaluator, on_eval, align_every, last=i == count - 1, say=say)
             rows.append(row)
             if on_row is not None:
                 on_row(row)
-            bar.update(1)
             bar.set_postfix(loss=f"{row.loss:.3f}", s=f"{row.seconds:.3f}")
             if self.runtime.is_main and (row.update % self.cfg.train.log_every == 0 or row.update == total - 1):
                 say(row.line(total))
-            if evaluator is not None and ((every and self.update_index % every == 0) or i == count - 1):
-                evaluate()
-        if own_bar:
-            bar.close()
         return rows
 
 

@@ -189,3 +189,24 @@ def test_train_writes_eval_rows_and_heldout_is_read_once(corpus, tmp_path, capsy
     assert cli.main(["heldout", str(run), "--admission", admission, "--out-dir", str(runs)]) == 2
     err = capsys.readouterr().err
     assert "already read under admission" in err and len(err.strip().splitlines()) == 1
+
+
+def test_merge_joins_seeds_run_in_separate_processes(corpus, tmp_path, capsys):
+    sets = SMALL + shards(corpus) + ["train.updates=3", "train.eval_tokens=128"]
+    argv = [a for o in sets for a in ("--set", o)]
+    for seed in (1, 2):
+        assert cli.main(["compare", "--preset", "tiny", "--arms", "native,zero", "--seeds", str(seed),
+                         "--out", str(tmp_path / f"s{seed}"), "--no-progress", *argv]) == 0
+    assert cli.main(["compare", "--merge", str(tmp_path / "s1"), str(tmp_path / "s2"),
+                     "--out", str(tmp_path / "both")]) == 0
+    merged = json.loads((tmp_path / "both" / "compare.json").read_text())
+    singles = [json.loads((tmp_path / f"s{s}" / "compare.json").read_text()) for s in (1, 2)]
+    assert merged["seeds"] == [1, 2]
+    assert merged["summary"]["zero"]["dev_loss"]["values"] == [r["runs"]["zero"][str(s)]["dev_loss"]
+                                                               for r, s in zip(singles, (1, 2))]
+    assert "Merged from" in (tmp_path / "both" / "report.md").read_text()
+    capsys.readouterr()
+    # The same seed twice is refused.
+    assert cli.main(["compare", "--merge", str(tmp_path / "s1"), str(tmp_path / "s1"),
+                     "--out", str(tmp_path / "again")]) == 2
+    assert "in two of the folders" in capsys.readouterr().err
