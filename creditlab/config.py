@@ -68,9 +68,18 @@ class CreditConfig:
     # with float32 sums); "float32" always in float32 or better.
     fit_precision: str = "auto"
     feedback_seed: int = 1234  # fixed random feedback of `dfa`
+    # How the fitted sources' decoders are fitted on teacher updates: "adam" (one gradient step per teacher update
+    # on the regression loss) or "lstsq" (closed form: the features' Gram matrix and their cross moment with the
+    # true corrections are streamed in the backward, averaged across teacher updates with weight fit_decay on the
+    # past, and the ridge system solved; the ridge is fit_ridge times the Gram's mean diagonal). The state gates,
+    # the projection and the mean gate keep their gradient fit either way.
+    fit: str = "adam"
+    fit_decay: float = 0.9
+    fit_ridge: float = 1e-3
 
 
 RECOMPUTE_PARTS = ("norm", "qk", "mlp")
+FITS = ("adam", "lstsq")
 
 
 def parse_recompute(spec: str) -> frozenset[str]:
@@ -301,5 +310,11 @@ def validate(cfg: Config) -> None:
         problems.append(f"credit.fit_precision must be auto|float32, got {c.fit_precision!r}")
     if c.teacher_every < 0:
         problems.append("credit.teacher_every must be >= 0")
+    if c.fit not in FITS:
+        problems.append(f"credit.fit must be one of {'|'.join(FITS)}, got {c.fit!r}")
+    if not 0.0 <= c.fit_decay < 1.0:
+        problems.append("credit.fit_decay must lie in [0, 1)")
+    if c.fit_ridge < 0:
+        problems.append("credit.fit_ridge must be >= 0")
     if problems:
         raise ConfigError("invalid config: " + "; ".join(problems))

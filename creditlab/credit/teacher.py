@@ -44,7 +44,9 @@ def _fit_dtypes(true: torch.Tensor, low_precision: bool) -> tuple[torch.dtype, t
 def _rank_space_fit(true: torch.Tensor, gated: torch.Tensor, decoder: torch.Tensor, scale: float,
                     acc: torch.dtype, mm: torch.dtype):
     """The regression of the prediction D gated (B, T, d) onto the true correction c, loss
-    scale * |D gated - c|^2 / |c|^2: its gradients for D and for gated, and the branch's fit statistics.
+    scale * |D gated - c|^2 / |c|^2: its gradients for D and for gated, the branch's fit statistics, and the
+    least-squares moments: the features' Gram matrix gated^T gated (2r, 2r) and their cross moment c^T gated
+    (d, 2r), whose solve D = (c^T gated)(gated^T gated)^-1 is the closed-form fit (credit.fit=lstsq).
 
     Everything is done in rank space: with M = D^T D, |pred|^2 = sum gated M gated and
     <pred, c> = sum gated (c D). The (B, T, d) prediction and residual are never formed; the true correction is
@@ -65,7 +67,7 @@ def _rank_space_fit(true: torch.Tensor, gated: torch.Tensor, decoder: torch.Tens
     d_gated = factor * (gated_m - c_decoded)  # (pred - c) D
     sq_error = pred_sq - 2.0 * pred_dot_true + true_sq
     stats = torch.stack([sq_error * weight, pred_dot_true, pred_sq, true_sq])
-    return d_decoder, d_gated, stats
+    return d_decoder, d_gated, stats, gram, c_gated
 
 
 class _FitBranch(torch.autograd.Function):
@@ -73,10 +75,12 @@ class _FitBranch(torch.autograd.Function):
     the code of the terminal error arriving at the zero-valued slot."""
 
     @staticmethod
-    def forward(ctx, n, gate_weight, decoder, code_sink, stats_sink, scale: float, low_precision: bool):
+    def forward(ctx, n, gate_weight, decoder, code_sink, stats_sink, gram_sink, cross_sink, scale: float,
+                low_precision: bool):
+        """gram_sink and cross_sink (or None): zero-valued slots whose gradients are the least-squares moments."""
         gate = torch.sigmoid(n @ gate_weight.to(n.dtype).t())  # (B, T, 2r), a forward state
         ctx.save_for_backward(n, gate, decoder)
-        ctx.scale, ctx.low_precision = scale, low_precision
+        ctx.scale, ctx.low_precision, ctx.moments = scale, low_precision, gram_sink is not None
         return n.view_as(n), n.new_zeros(gate.shape)
 
     @staticmethod
@@ -84,22 +88,24 @@ class _FitBranch(torch.autograd.Function):
         n, gate, decoder = ctx.saved_tensors
         acc, mm = _fit_dtypes(true, ctx.low_precision)
         gate, code = gate.to(acc), code.to(acc)
-        d_decoder, d_gated, stats = _rank_space_fit(true, gate * code, decoder, ctx.scale, acc, mm)
+        d_decoder, d_gated, stats, gram, cross = _rank_space_fit(true, gate * code, decoder, ctx.scale, acc, mm)
         d_gate_pre = d_gated * code * gate * (1.0 - gate)
         d_gate_weight = d_gate_pre.to(mm).flatten(0, 1).t() @ n.to(mm).flatten(0, 1)  # (2r, d)
+        moments = (gram, cross) if ctx.moments else (None, None)
         return (true, d_gate_weight.to(decoder.dtype), d_decoder.to(decoder.dtype), d_gated * gate, stats,
-                None, None)
+                *moments, None, None)
 
 
 class _FitLocal(torch.autograd.Function):
     """The DNI predictor's fit at one branch: gated = sigmoid(n G^T) * (n U^T), from the branch input alone."""
 
     @staticmethod
-    def forward(ctx, n, gate_weight, code_weight, decoder, stats_sink, scale: float, low_precision: bool):
+    def forward(ctx, n, gate_weight, code_weight, decoder, stats_sink, gram_sink, cross_sink, scale: float,
+                low_precision: bool):
         """decoder: the effective s_b D_b; the caller's autograd carries its gradient on to D_b."""
         gate, coded = gate_and_code(n, gate_weight, code_weight)
         ctx.save_for_backward(n, gate, coded, decoder)
-        ctx.scale, ctx.low_precision = scale, low_precision
+        ctx.scale, ctx.low_precision, ctx.moments = scale, low_precision, gram_sink is not None
         return n.view_as(n)
 
     @staticmethod
@@ -107,27 +113,31 @@ class _FitLocal(torch.autograd.Function):
         n, gate, coded, decoder = ctx.saved_tensors
         acc, mm = _fit_dtypes(true, ctx.low_precision)
         gate, coded = gate.to(acc), coded.to(acc)
-        d_decoder, d_gated, stats = _rank_space_fit(true, gate * coded, decoder, ctx.scale, acc, mm)
+        d_decoder, d_gated, stats, gram, cross = _rank_space_fit(true, gate * coded, decoder, ctx.scale, acc, mm)
         d_pre = torch.cat([d_gated * coded * gate * (1.0 - gate), d_gated * gate], dim=-1)  # (B, T, 4r)
         d_gate_weight, d_code_weight = (d_pre.to(mm).flatten(0, 1).t() @ n.to(mm).flatten(0, 1)).chunk(2)
         dtype = decoder.dtype
-        return true, d_gate_weight.to(dtype), d_code_weight.to(dtype), d_decoder.to(dtype), stats, None, None
+        moments = (gram, cross) if ctx.moments else (None, None)
+        return (true, d_gate_weight.to(dtype), d_code_weight.to(dtype), d_decoder.to(dtype), stats, *moments,
+                None, None)
 
 
 class FitCredit(ExactCredit):
     """Exact backprop that fits the learned predictor on the fly (see the module docstring)."""
 
     def __init__(self, predictor, scale: float, code_sink: torch.Tensor, stats_sink: torch.Tensor,
-                 error_probe: torch.Tensor, low_precision: bool = False):
+                 error_probe: torch.Tensor, low_precision: bool = False, moment_sinks=None):
         self.predictor, self.scale, self.low_precision = predictor, scale, low_precision
         self.code_sink, self.stats_sink, self.error_probe = code_sink, stats_sink, error_probe
+        self.moment_sinks = moment_sinks
         self.total = None
         self.x_terminal = None
 
     def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
         p = self.predictor
         n_omit, slot = _FitBranch.apply(n, p.state_gates[index], p.decoders[index], self.code_sink,
-                                        self.stats_sink[index], self.scale, self.low_precision)
+                                        self.stats_sink[index], *_moment_slots(self.moment_sinks, index),
+                                        self.scale, self.low_precision)
         self.total = slot if self.total is None else self.total + slot
         return n_omit
 
@@ -140,13 +150,20 @@ class FitCredit(ExactCredit):
 class LocalFitCredit(ExactCredit):
     """Exact backprop that fits the DNI predictor on the fly: each branch's regression from its own input."""
 
-    def __init__(self, dni, scale: float, stats_sink: torch.Tensor, low_precision: bool = False):
+    def __init__(self, dni, scale: float, stats_sink: torch.Tensor, low_precision: bool = False,
+                 moment_sinks=None):
         self.dni, self.scale, self.stats_sink, self.low_precision = dni, scale, stats_sink, low_precision
+        self.moment_sinks = moment_sinks
 
     def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
         d = self.dni
         return _FitLocal.apply(n, d.gates[index], d.codes[index], d.decoder(index), self.stats_sink[index],
-                               self.scale, self.low_precision)
+                               *_moment_slots(self.moment_sinks, index), self.scale, self.low_precision)
+
+
+def _moment_slots(sinks, index: int):
+    """This branch's slots of the (Gram, cross-moment) sinks, or (None, None) when no closed-form fit runs."""
+    return (None, None) if sinks is None else (sinks[0][index], sinks[1][index])
 
 
 def code_objective(predictor, e: torch.Tensor, x_terminal: torch.Tensor, code_grad: torch.Tensor) -> torch.Tensor:
@@ -164,14 +181,30 @@ class Teacher:
     A teacher micro-batch is exact backprop under a credit context (`fit_credit`) whose backward computes the
     fit's gradient branch by branch; subclasses say which context, and what is left after the backward."""
 
-    def __init__(self, module: torch.nn.Module, cfg: CreditConfig):
-        self.module = module
+    def __init__(self, module: torch.nn.Module, decoders: torch.nn.Parameter, cfg: CreditConfig):
+        self.module, self.decoders = module, decoders
         self.optimizer = torch.optim.Adam(module.parameters(), lr=cfg.predictor_lr, betas=(0.9, 0.99))
         self.low_precision = cfg.fit_precision == "auto"
         self.stats: list[torch.Tensor] = []
+        # credit.fit=lstsq: the decoders are solved, not stepped. Per branch, the Gram matrix of the features and
+        # their cross moment with the true correction, summed over this update's micro-batches, then each update's
+        # sums (divided by its |c|^2, so that every teacher update weighs alike) averaged with weight `decay` on
+        # the past: the least-squares problem over recent teacher updates, in (2r, 2r) and (d, 2r) per branch.
+        self.closed_form, self.decay, self.ridge = cfg.fit == "lstsq", cfg.fit_decay, cfg.fit_ridge
+        self.moment_sums: list[torch.Tensor] | None = None  # this update's [gram, cross]
+        self.moments: list[torch.Tensor] | None = None  # the running average [gram, cross]
 
-    def fit_credit(self, trainer, inputs: torch.Tensor, scale: float, stats_sink: torch.Tensor) -> ExactCredit:
+    def fit_credit(self, trainer, inputs: torch.Tensor, scale: float, stats_sink: torch.Tensor,
+                   moment_sinks) -> ExactCredit:
         raise NotImplementedError
+
+    def _moment_sinks(self, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not self.closed_form:
+            return None
+        branches, d, r2 = self.decoders.shape
+        sink = dict(device=device, dtype=torch.float32 if self.dtype != torch.float64 else torch.float64,
+                    requires_grad=True)
+        return torch.zeros(branches, r2, r2, **sink), torch.zeros(branches, d, r2, **sink)
 
     def after_backward(self, trainer, credit) -> None:
         """The part of the fit that needs the whole backward first (nothing, unless a subclass says so)."""
@@ -180,7 +213,8 @@ class Teacher:
         """One exact micro-batch (gradients accumulate into the model) that also fits the source."""
         branches = trainer.model.cfg.branches
         stats_sink = torch.zeros(branches, len(STATS), device=inputs.device, dtype=self.dtype, requires_grad=True)
-        credit = self.fit_credit(trainer, inputs, scale, stats_sink)
+        moment_sinks = self._moment_sinks(inputs.device)
+        credit = self.fit_credit(trainer, inputs, scale, stats_sink, moment_sinks)
         forward = getattr(trainer, "_forward", None) or trainer.ddp or trainer.model
         with trainer.runtime.autocast():
             loss = forward(inputs, targets, credit=credit, loss_chunk=trainer.cfg.train.loss_chunk)
@@ -189,6 +223,9 @@ class Teacher:
             raise RuntimeError("the teacher's backward did not reach the branches: no fit")
         self.after_backward(trainer, credit)
         self.stats.append(stats_sink.grad.detach())
+        if moment_sinks is not None:
+            grads = [sink.grad if sink.grad is not None else torch.zeros_like(sink) for sink in moment_sinks]
+            self.moment_sums = grads if self.moment_sums is None else [a + g for a, g in zip(self.moment_sums, grads)]
         return loss.detach()
 
     @property
@@ -196,14 +233,60 @@ class Teacher:
         return next(self.module.parameters()).dtype
 
     def step(self) -> dict:
-        """Apply the accumulated fit gradient; return per-branch normalized error and cosine."""
-        if dist.is_available() and dist.is_initialized():  # every rank fits the same predictor
+        """Apply the accumulated fit (gradient step, and with lstsq the decoders' solve); return per-branch
+        normalized error and cosine, measured on this update's corrections before the fit moved."""
+        distributed = dist.is_available() and dist.is_initialized()
+        if distributed:  # every rank fits the same predictor
             for p in self.module.parameters():
                 if p.grad is not None:
                     dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+            for m in self.moment_sums or []:
+                dist.all_reduce(m, op=dist.ReduceOp.SUM)
+        if self.closed_form:
+            self.decoders.grad = None  # solved below, not stepped
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return self.summarize()
+        true_sq = torch.stack([s[:, STATS.index("true_sq")] for s in self.stats]).sum(0) if self.stats else None
+        if distributed and true_sq is not None:
+            dist.all_reduce(true_sq, op=dist.ReduceOp.SUM)
+        summary = self.summarize()
+        if self.closed_form and self.moment_sums is not None and true_sq is not None:
+            self.set_decoders(self.solve(true_sq))
+        self.moment_sums = None
+        return summary
+
+    @torch.no_grad()
+    def solve(self, true_sq: torch.Tensor) -> torch.Tensor:
+        """Fold this update's moments into the running average and solve the ridge system of every branch:
+        D_b = X_b (G_b + ridge * mean(diag G_b) I)^-1 (d, 2r). A branch never seen with a signal keeps its decoder."""
+        gram, cross = (m.double() for m in self.moment_sums)
+        seen = (true_sq > 0).to(gram.device)
+        weight = torch.where(seen, 1.0 / true_sq.double().clamp_min(1e-300), torch.zeros_like(true_sq, dtype=gram.dtype))
+        gram, cross = gram * weight[:, None, None], cross * weight[:, None, None]
+        if self.moments is None:
+            self.moments = [gram, cross]
+        else:
+            keep = seen[:, None, None]
+            self.moments = [torch.where(keep, self.decay * old + (1 - self.decay) * new, old)
+                            for old, new in zip(self.moments, (gram, cross))]
+        gram, cross = self.moments
+        scale = torch.diagonal(gram, dim1=1, dim2=2).mean(-1)  # (branches,)
+        eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+        system = gram + (self.ridge * scale + (scale == 0))[:, None, None] * eye  # no signal: identity, not solved
+        if self.ridge > 0:
+            solved = torch.linalg.solve(system, cross.transpose(1, 2)).transpose(1, 2)
+        else:
+            solved = torch.linalg.lstsq(system, cross.transpose(1, 2)).solution.transpose(1, 2)
+        current = self.effective_decoders().double()
+        return torch.where((scale > 0)[:, None, None], solved, current)
+
+    def effective_decoders(self) -> torch.Tensor:
+        """The decoders as the prediction uses them (branches, d, 2r)."""
+        return self.decoders.detach()
+
+    @torch.no_grad()
+    def set_decoders(self, solved: torch.Tensor) -> None:
+        self.decoders.copy_(solved.to(self.decoders.dtype))
 
     def summarize(self) -> dict:
         if not self.stats:
@@ -220,10 +303,11 @@ class Teacher:
         return {"fit_error": float(error.nanmean()), "fit_cosine": float(cosine.nanmean()), "fit_branches": branches}
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict()}
+        return {"optimizer": self.optimizer.state_dict(), "moments": self.moments}
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
+        self.moments = state.get("moments")
 
 
 class LearnedTeacher(Teacher):
@@ -232,18 +316,18 @@ class LearnedTeacher(Teacher):
     after the backward."""
 
     def __init__(self, predictor, cfg: CreditConfig):
-        super().__init__(predictor, cfg)
+        super().__init__(predictor, predictor.decoders, cfg)
         self.predictor = predictor
         self.code_objective = None  # compiled on the first teacher micro-batch when the trainer compiles
 
-    def fit_credit(self, trainer, inputs, scale, stats_sink) -> FitCredit:
+    def fit_credit(self, trainer, inputs, scale, stats_sink, moment_sinks) -> FitCredit:
         p, (B, T) = self.predictor, inputs.shape
         sinks = dict(device=inputs.device, dtype=self.dtype, requires_grad=True)
         code_sink = torch.zeros(B, T, 2 * p.rank, **sinks)
         # In the residual stream's dtype: e arrives in it, and a wider copy would only move more bytes.
         probe_dtype = trainer.runtime.autocast_dtype or self.dtype
         error_probe = torch.zeros(B, T, p.decoders.shape[1], **sinks | {"dtype": probe_dtype})
-        return FitCredit(p, scale, code_sink, stats_sink, error_probe, self.low_precision)
+        return FitCredit(p, scale, code_sink, stats_sink, error_probe, self.low_precision, moment_sinks)
 
     def after_backward(self, trainer, credit: FitCredit) -> None:
         if credit.code_sink.grad is None or credit.error_probe.grad is None:
@@ -260,11 +344,18 @@ class DNITeacher(Teacher):
     arrives; it also keeps the source's per-branch scale s_b (the running RMS of the true corrections)."""
 
     def __init__(self, dni, cfg: CreditConfig):
-        super().__init__(dni, cfg)
+        super().__init__(dni, dni.decoders, cfg)
         self.correction_sizes: list[int] = []  # elements of one branch's correction, per micro-batch
+        self.solved: torch.Tensor | None = None  # the effective decoders solved this update (lstsq)
 
-    def fit_credit(self, trainer, inputs, scale, stats_sink) -> LocalFitCredit:
-        return LocalFitCredit(self.module, scale, stats_sink, self.low_precision)
+    def fit_credit(self, trainer, inputs, scale, stats_sink, moment_sinks) -> LocalFitCredit:
+        return LocalFitCredit(self.module, scale, stats_sink, self.low_precision, moment_sinks)
+
+    def effective_decoders(self) -> torch.Tensor:
+        return self.module.scales[:, None, None] * self.decoders.detach()
+
+    def set_decoders(self, solved: torch.Tensor) -> None:
+        self.solved = solved  # applied once the scales are updated: D_b = solved_b / s_b
 
     def teach(self, trainer, inputs, targets, scale: float) -> torch.Tensor:
         loss = super().teach(trainer, inputs, targets, scale)
@@ -280,4 +371,10 @@ class DNITeacher(Teacher):
         self.correction_sizes = []
         summary = super().step()  # applies the gradients computed with the scales they were computed under
         self.module.track_scales(rms.to(self.module.scales.dtype))
+        if self.solved is not None:
+            with torch.no_grad():
+                scales = self.module.scales.double()[:, None, None]
+                decoders = torch.where(scales > 0, self.solved / scales.clamp_min(1e-300), self.decoders.double())
+                self.decoders.copy_(decoders.to(self.decoders.dtype))
+            self.solved = None
         return summary
