@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
+import re
 import time
 from pathlib import Path
 
 import pytest
 
-from creditlab.data import load_manifest
-from creditlab.data.prepare import MANIFEST, RUN_RECORD, manifest_sha256
+from creditlab.data import PrepareError, load_manifest
+from creditlab.data import cli as data_cli
+from creditlab.data.prepare import MANIFEST, RUN_RECORD, _byte_batches, _Sample, manifest_sha256
+from creditlab.data.splits import split_of
+from creditlab.data.tokenizer import Tokenizer
 from tiny_corpus import quiet_prepare, write_corpus
 
 
@@ -43,3 +48,122 @@ def test_two_preparations_are_byte_identical_manifest_included(corpus, tmp_path)
     assert run_a["created_utc"] != run_b["created_utc"] and run_a["out"] == str(a.resolve())
     assert run_a["manifest_sha256"] == manifest_sha256(a) and run_a["encode_mb_per_s"] > 0
     assert RUN_RECORD not in (a / MANIFEST).read_text() and str(a) not in (a / MANIFEST).read_text()
+
+
+# --- the tokenizer's fixed sample -----------------------------------------------------------------------
+
+def expected_sample(corpus: Path, budget: int) -> list[str]:
+    """The rule, written out: TRAIN ids by sha256(id), up to the first whose bytes reach the budget."""
+    train = sorted((hashlib.sha256(p.name.encode()).digest(), p.name, len(p.read_bytes()))
+                   for p in corpus.glob("*.txt") if split_of(p.name) == "train")
+    taken, total = [], 0
+    for _, name, size in train:
+        if total >= budget:
+            break
+        taken.append(name)
+        total += size
+    return taken
+
+
+def test_tokenizer_trains_on_the_sample_and_every_document_is_encoded(tmp_path) -> None:
+    root = tmp_path / "src"
+    texts = write_corpus(root, n=100)
+    sample = expected_sample(root, 20_000)
+    assert 5 < len(sample) < 60  # a real sample: neither one document nor all of TRAIN
+    marker = "qqqxxzzqqq"
+    outside = [i for i in texts if split_of(i) == "train" and i not in sample]
+    for i in outside:
+        (root / i).write_text((marker + " ") * 50 + texts[i])
+    out = tmp_path / "out"
+    quiet_prepare(f"dir:{root}", out, tokenizer_sample_mb=0.02)
+    m = load_manifest(out)
+    assert m["request"]["tokenizer_sample_mb"] == 0.02
+    record = m["tokenizer"]["sample"]
+    assert record["budget_bytes"] == 20_000 and record["documents"] == len(sample)
+    assert record["bytes"] == sum(len((root / i).read_bytes()) for i in sample)
+    vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
+    assert not any("qqq" in token for token in vocab)  # the marker is only outside the sample
+    assert m["splits"]["train"]["documents"] == sum(split_of(i) == "train" for i in texts)  # all encoded
+    whole = tmp_path / "whole"
+    quiet_prepare(f"dir:{root}", whole, tokenizer_sample_mb=0)  # control: all of TRAIN sees the marker
+    assert any("qqq" in token for token in json.loads((whole / "tokenizer.json").read_text())["model"]["vocab"])
+    assert load_manifest(whole)["tokenizer"]["sample"]["documents"] == record["train_documents"]
+    with pytest.raises(PrepareError, match=r"tokenizer_sample_mb: 0\.02 -> 0\.05"):
+        quiet_prepare(f"dir:{root}", out, tokenizer_sample_mb=0.05)
+
+
+def test_the_sample_is_the_same_whatever_the_order_of_the_documents() -> None:
+    rng = random.Random(4)
+    docs = [(f"d{i}", rng.randint(1, 100)) for i in range(300)]
+    by_digest = sorted(docs, key=lambda d: hashlib.sha256(d[0].encode()).digest())
+    for budget in (1, 500, 5_000, 10**9):
+        prefix, total = set(), 0
+        for doc_id, size in by_digest:
+            if total >= budget:
+                break
+            prefix.add(doc_id)
+            total += size
+        for order in (docs, docs[::-1], rng.sample(docs, len(docs))):
+            sample = _Sample(budget)
+            for doc_id, size in order:
+                sample.add(doc_id, size)
+            assert sample.ids() == prefix and sample.record()["bytes"] == total
+
+
+# --- encoding: large batches, speed reported -------------------------------------------------------------
+
+def test_encoding_runs_in_few_large_batches_and_reports_its_speed(tmp_path, monkeypatch) -> None:
+    root = tmp_path / "src"
+    root.mkdir()
+    for i in range(400):  # many short documents: a batch by count would be far too small for the threads
+        (root / f"n{i:03d}.txt").write_text(f"Note {i}: the {i % 17} cats sat on {i % 5} mats. " * 3)
+    calls = []
+    original = Tokenizer.encode_batch
+
+    def spy(self, texts):
+        calls.append(len(texts))
+        return original(self, texts)
+
+    monkeypatch.setattr(Tokenizer, "encode_batch", spy)
+    lines = []
+    quiet_prepare(f"dir:{root}", tmp_path / "out", log=lines.append)
+    assert calls == [400]  # ~60 KB of text: one batch, all of it in one multi-threaded call
+    assert any(re.search(r"encoded [\d.]+ MB of text in [\d.]+ s: [\d,.]+ MB/s", line) for line in lines)
+    assert [len(b) for b in _byte_batches([(None, "train", n) for n in (5, 5, 20, 1, 1, 1, 9)], 10)] == [2, 1, 4]
+
+
+# --- empty corpora and splits, skipped files ------------------------------------------------------------
+
+def test_an_empty_corpus_is_refused(tmp_path, capsys) -> None:
+    root = tmp_path / "src"
+    root.mkdir()
+    (root / "a.txt").write_text("   \n")
+    (root / "b.txt").write_text((root / "a.txt").read_text())
+    with pytest.raises(PrepareError, match=r"has no documents with text \(2 empty and 0 duplicate"):
+        quiet_prepare(f"dir:{root}", tmp_path / "out")
+    assert not (tmp_path / "out" / MANIFEST).exists()
+    assert data_cli.main(["data", "prepare", "--source", f"dir:{root}", "--out", str(tmp_path / "out"),
+                          "--vocab-size", "300", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "no documents with text" in err and err.count("\n") == 1
+
+
+def test_a_split_with_a_share_but_no_document_is_refused(tmp_path) -> None:
+    root = tmp_path / "src"
+    write_corpus(root, n=40)  # 38 train, 2 dev, no final_heldout
+    with pytest.raises(PrepareError, match=r"split final_heldout got none of the 40 documents.*--splits"):
+        quiet_prepare(f"dir:{root}", tmp_path / "out")
+    quiet_prepare(f"dir:{root}", tmp_path / "out", fractions=(0.9, 0.1, 0.0))  # asked for: allowed
+    assert load_manifest(tmp_path / "out")["splits"]["final_heldout"]["documents"] == 0
+
+
+def test_dir_source_names_the_files_it_skips_once(tmp_path) -> None:
+    root = tmp_path / "src"
+    write_corpus(root, n=100)
+    for i in range(7):
+        (root / f"bin{i}.txt").write_bytes(b"\xff\xfe\x00 not utf-8")
+    lines = []
+    quiet_prepare(f"dir:{root}", tmp_path / "out", log=lines.append)
+    skipped = [line for line in lines if "not UTF-8" in line]
+    assert skipped == [f"dir:{root}: skipped 7 files: bin0.txt, bin1.txt, bin2.txt, bin3.txt, bin4.txt and 2 more "
+                       "that are not UTF-8 text"]

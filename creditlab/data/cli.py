@@ -10,8 +10,8 @@ import json
 import sys
 
 from creditlab.data.artifacts import ArtifactError
-from creditlab.data.prepare import (DEFAULT_OUT, DEFAULT_SHARD_TOKENS, NotPreparedError, PrepareError, info,
-                                    prepare, verify)
+from creditlab.data.prepare import (DEFAULT_OUT, DEFAULT_SHARD_TOKENS, DEFAULT_TOKENIZER_SAMPLE_MB, NotPreparedError,
+                                    PrepareError, info, prepare, verify)
 from creditlab.data.shards import ShardError
 from creditlab.data.sources import DEFAULT_DIR_GLOB, DEFAULT_SOURCE, SourceError
 from creditlab.data.splits import parse_fractions
@@ -39,6 +39,9 @@ def add_commands(subparsers) -> None:
                    help="ids including the document separator (default: bpe 12289, gpt2 50257)")
     p.add_argument("--tokenizer", choices=KINDS, default="bpe",
                    help="bpe: byte-level BPE trained on TRAIN; gpt2: r50k_base (default bpe)")
+    p.add_argument("--tokenizer-sample-mb", type=float, default=DEFAULT_TOKENIZER_SAMPLE_MB,
+                   help="train the BPE on this many MB of TRAIN text, taking documents in sha256(id) order "
+                        f"(default {DEFAULT_TOKENIZER_SAMPLE_MB}; 0: all of TRAIN); every document is still encoded")
     p.add_argument("--text-field", default="text", help="field holding the text (jsonl/parquet/hf; default text)")
     p.add_argument("--splits", default="90/5/5", help="train/dev/final_heldout fractions (default 90/5/5)")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
@@ -59,7 +62,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         fractions = parse_fractions(args.splits)
         summary = prepare(args.source, args.out, vocab_size=args.vocab_size, tokenizer=args.tokenizer,
                           text_field=args.text_field, fractions=fractions, shard_tokens=args.shard_tokens,
-                          force=args.force, progress=not args.no_progress)
+                          force=args.force, progress=not args.no_progress,
+                          tokenizer_sample_mb=args.tokenizer_sample_mb)
     except _USER_ERRORS + (ValueError,) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
