@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import re
+import shutil
 import time
 from pathlib import Path
 
 import pytest
 
-from creditlab.data import PrepareError, load_manifest
+from creditlab.data import PrepareError, ShardError, ShardLoader, load_manifest, read_split
 from creditlab.data import cli as data_cli
+from creditlab.data import integrity
+from creditlab.data.ledger import entries
 from creditlab.data.prepare import MANIFEST, RUN_RECORD, _byte_batches, _Sample, manifest_sha256
 from creditlab.data.splits import split_of
 from creditlab.data.tokenizer import Tokenizer
@@ -167,3 +171,112 @@ def test_dir_source_names_the_files_it_skips_once(tmp_path) -> None:
     skipped = [line for line in lines if "not UTF-8" in line]
     assert skipped == [f"dir:{root}: skipped 7 files: bin0.txt, bin1.txt, bin2.txt, bin3.txt, bin4.txt and 2 more "
                        "that are not UTF-8 text"]
+
+
+# --- shard hashes checked on every read, with a cache -----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def prepared_once(corpus, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("prepared") / "data"
+    quiet_prepare(f"dir:{corpus}", out)
+    return out
+
+
+@pytest.fixture
+def prepared(prepared_once, tmp_path) -> Path:
+    out = tmp_path / "data"
+    shutil.copytree(prepared_once, out)
+    return out
+
+
+def age(folder: Path, seconds: float = 3600) -> None:
+    """Date every file back: the cache trusts only files not modified in the last few seconds."""
+    then = time.time_ns() - int(seconds * 1e9)
+    for p in folder.iterdir():
+        os.utime(p, ns=(then, then))
+
+
+def flip_last_byte(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 1
+    path.write_bytes(bytes(raw))
+
+
+def count_hashes(monkeypatch) -> list[str]:
+    hashed = []
+    original = integrity.file_sha256
+
+    def spy(path, *args, **kwargs):
+        hashed.append(Path(path).name)
+        return original(path, *args, **kwargs)
+
+    monkeypatch.setattr(integrity, "file_sha256", spy)
+    return hashed
+
+
+def test_an_edited_shard_is_refused_on_read_naming_it(prepared) -> None:
+    shard = prepared / load_manifest(prepared)["splits"]["train"]["files"][1]["name"]
+    flip_last_byte(shard)  # same size, valid header: only its hash tells
+    with pytest.raises(ShardError, match=rf"{re.escape(str(shard))} has SHA256 .*the manifest lists .*--force"):
+        ShardLoader(prepared, "train", 2, 16)
+    with pytest.raises(ShardError, match="train_000001.bin"):
+        read_split(prepared, "train", purpose=None)
+    dev = prepared / load_manifest(prepared)["splits"]["dev"]["files"][0]["name"]
+    flip_last_byte(dev)
+    with pytest.raises(ShardError, match="dev_000000.bin"):
+        read_split(prepared, "dev", purpose="dev loss")
+    assert entries(prepared) == []  # a refused read is not a read: the ledger does not record it
+    shard.unlink()
+    with pytest.raises(ShardError, match=rf"{re.escape(str(shard))} is missing"):
+        read_split(prepared, "train", purpose=None)
+
+
+def test_the_hash_cache_spares_a_second_run_and_misses_an_edit(prepared, monkeypatch) -> None:
+    age(prepared)
+    hashed = count_hashes(monkeypatch)
+    train = [f["name"] for f in load_manifest(prepared)["splits"]["train"]["files"]]
+    read_split(prepared, "train", purpose=None)
+    assert sorted(hashed) == sorted(train) and (prepared / integrity.CACHE).exists()
+    hashed.clear()
+    ShardLoader(prepared, "train", 2, 16)  # a second run: nothing re-hashed
+    assert hashed == []
+    flip_last_byte(prepared / train[0])  # its mtime moves: hashed again, and refused
+    with pytest.raises(ShardError, match=train[0]):
+        read_split(prepared, "train", purpose=None)
+    assert hashed == [train[0]]
+
+
+def test_fresh_files_are_not_cached_so_an_edit_in_the_same_tick_is_seen(prepared, monkeypatch) -> None:
+    hashed = count_hashes(monkeypatch)
+    shard = prepared / load_manifest(prepared)["splits"]["dev"]["files"][0]["name"]
+    now = time.time_ns()
+    os.utime(shard, ns=(now, now))
+    read_split(prepared, "dev", purpose="first")
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 1
+    shard.write_bytes(bytes(raw))
+    os.utime(shard, ns=(now, now))  # an edit that kept size and mtime
+    with pytest.raises(ShardError, match=shard.name):
+        read_split(prepared, "dev", purpose="second")
+    assert hashed.count(shard.name) == 2
+
+
+def test_a_read_only_data_folder_reads_without_a_cache(prepared, monkeypatch) -> None:
+    age(prepared)
+
+    def refuse(*args, **kwargs):
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr(integrity.os, "replace", refuse)
+    hashed = count_hashes(monkeypatch)
+    for _ in range(2):
+        assert len(read_split(prepared, "train", purpose=None)) == len(load_manifest(prepared)["splits"]["train"]["files"])
+    assert len(hashed) == 2 * len(load_manifest(prepared)["splits"]["train"]["files"])  # every read hashes
+    assert not list(prepared.glob(".verified*"))  # and leaves nothing behind
+
+
+def test_a_damaged_cache_is_ignored(prepared) -> None:
+    age(prepared)
+    (prepared / integrity.CACHE).write_text("{not json")
+    read_split(prepared, "train", purpose=None)
+    assert json.loads((prepared / integrity.CACHE).read_text())["format"] == integrity.CACHE_FORMAT
