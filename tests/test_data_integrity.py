@@ -12,16 +12,19 @@ import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from creditlab.data import PrepareError, ShardError, ShardLoader, load_manifest, read_split
+from creditlab import config as config_mod
+from creditlab.data import (PrepareError, ShardError, ShardLoader, load_manifest, make_loader, read_shard,
+                            read_split, write_shard)
 from creditlab.data import cli as data_cli
 from creditlab.data import integrity
 from creditlab.data.ledger import entries
 from creditlab.data.prepare import MANIFEST, RUN_RECORD, _byte_batches, _Sample, manifest_sha256
 from creditlab.data.splits import split_of
 from creditlab.data.tokenizer import Tokenizer
-from tiny_corpus import quiet_prepare, write_corpus
+from tiny_corpus import VOCAB, quiet_prepare, write_corpus
 
 
 def file_bytes(folder: Path) -> dict[str, bytes]:
@@ -280,3 +283,26 @@ def test_a_damaged_cache_is_ignored(prepared) -> None:
     (prepared / integrity.CACHE).write_text("{not json")
     read_split(prepared, "train", purpose=None)
     assert json.loads((prepared / integrity.CACHE).read_text())["format"] == integrity.CACHE_FORMAT
+
+
+# --- token ids against the model's vocabulary ------------------------------------------------------------
+
+def test_an_id_beyond_the_vocabulary_names_the_shard_and_its_offset(prepared) -> None:
+    m = load_manifest(prepared)
+    entry = m["splits"]["train"]["files"][1]
+    shard = prepared / entry["name"]
+    tokens = np.array(read_shard(shard), dtype=np.int64)
+    tokens[1234] = 4000  # shards made for another vocabulary, with a manifest that agrees with them
+    entry["sha256"] = write_shard(shard, tokens, vocab_size=65536)
+    (prepared / MANIFEST).write_text(json.dumps(m, indent=2) + "\n")
+    cfg = config_mod.load("tiny", ["data.source=shards", f"data.dir={prepared}", "model.seq_len=16",
+                                   f"model.vocab_size={VOCAB}"])
+    with pytest.raises(ShardError, match=rf"{re.escape(str(shard))}: token 1,234 \(byte 3,492\) is id 4000, "
+                                         rf"outside the model's vocabulary of {VOCAB} ids"):
+        make_loader(cfg, "train")
+    make_loader(cfg, "dev", purpose="dev loss")  # the other splits are fine
+    # The first shard whose ids reach a smaller vocabulary, at the first such id.
+    first = prepared / m["splits"]["dev"]["files"][0]["name"]
+    offset = int(np.argmax(np.asarray(read_shard(first)) >= 100))
+    with pytest.raises(ShardError, match=rf"{re.escape(str(first))}: token {offset:,} "):
+        ShardLoader(prepared, "dev", 2, 16, purpose="x", vocab_size=100)

@@ -31,8 +31,9 @@ def make_loader(cfg, split: str = "train", rank: int = 0, world_size: int = 1, *
                 purpose: str | None = None, admission: str | None = None, allow_final_heldout: bool = False):
     """The loader a run of `cfg` reads `split` from: SyntheticLoader or ShardLoader, with one interface.
 
-    For shards, the prepared tokenizer's vocab_size must equal cfg.model.vocab_size. DEV/FINAL_HELDOUT reads
-    of shards need a `purpose` and are written to the access ledger with it and `admission`.
+    For shards, the prepared tokenizer's vocab_size must equal cfg.model.vocab_size, every shard must have the
+    manifest's SHA256 and no id may reach the vocab_size. DEV/FINAL_HELDOUT reads of shards need a `purpose`
+    and are written to the access ledger with it and `admission`.
     """
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; splits: {', '.join(SPLITS)}")
@@ -48,7 +49,8 @@ def make_loader(cfg, split: str = "train", rank: int = 0, world_size: int = 1, *
     if tok["vocab_size"] != m.vocab_size:
         raise VocabMismatchError(_vocab_mismatch(cfg, manifest))
     return ShardLoader(cfg.data.dir, split, t.micro_batch, m.seq_len, t.seed, rank, world_size, position,
-                       purpose=purpose, admission=admission, allow_final_heldout=allow_final_heldout)
+                       purpose=purpose, admission=admission, allow_final_heldout=allow_final_heldout,
+                       vocab_size=m.vocab_size)
 
 
 def _vocab_mismatch(cfg, manifest: dict) -> str:
