@@ -21,7 +21,8 @@ from creditlab.data import (PrepareError, ShardError, ShardLoader, load_manifest
 from creditlab.data import cli as data_cli
 from creditlab.data import integrity
 from creditlab.data.ledger import entries
-from creditlab.data.prepare import MANIFEST, RUN_RECORD, _byte_batches, _Sample, manifest_sha256
+from creditlab.data.prepare import (MANIFEST, NO_ORIGIN, RUN_RECORD, _byte_batches, _Sample, manifest_sha256,
+                                    origin_of)
 from creditlab.data.splits import split_of
 from creditlab.data.tokenizer import Tokenizer
 from tiny_corpus import VOCAB, quiet_prepare, write_corpus
@@ -306,3 +307,78 @@ def test_an_id_beyond_the_vocabulary_names_the_shard_and_its_offset(prepared) ->
     offset = int(np.argmax(np.asarray(read_shard(first)) >= 100))
     with pytest.raises(ShardError, match=rf"{re.escape(str(first))}: token {offset:,} "):
         ShardLoader(prepared, "dev", 2, 16, purpose="x", vocab_size=100)
+
+
+# --- data info: sizes always, hashes with --verify -------------------------------------------------------
+
+def test_info_checks_every_shard_size_without_verify(prepared, capsys) -> None:
+    assert data_cli.main(["data", "info", str(prepared)]) == 0
+    assert "sizes: every shard's size matches the manifest" in capsys.readouterr().out
+    shard = prepared / load_manifest(prepared)["splits"]["train"]["files"][2]["name"]
+    shard.write_bytes(shard.read_bytes()[:-2])  # one token short, header untouched
+    assert data_cli.main(["data", "info", str(prepared)]) == 1
+    out = capsys.readouterr().out
+    assert f"{shard}: 9,022 bytes, but the manifest's 4,000 tokens make 9,024" in out and "sizes: FAILED" in out
+    assert data_cli.main(["data", "info", str(prepared), "--json"]) == 1
+    check = json.loads(capsys.readouterr().out)["size_check"]
+    assert check["ok"] is False and len(check["problems"]) == 1
+    assert data_cli.main(["data", "info", str(prepared), "--verify"]) == 1  # --verify sees it too
+    assert f"{shard}: 9,022 bytes" in capsys.readouterr().out
+
+
+def test_verify_rehashes_what_the_cache_would_trust(prepared, capsys) -> None:
+    age(prepared)
+    read_split(prepared, "train", purpose=None)  # caches every train shard
+    shard = prepared / load_manifest(prepared)["splits"]["train"]["files"][0]["name"]
+    stat = shard.stat()
+    flip_last_byte(shard)
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # an edit that forged the old mtime back
+    read_split(prepared, "train", purpose=None)  # the cache's documented blind spot
+    assert data_cli.main(["data", "info", str(prepared)]) == 0  # sizes are fine
+    capsys.readouterr()
+    assert data_cli.main(["data", "info", str(prepared), "--verify"]) == 1
+    assert f"{shard}: SHA256" in capsys.readouterr().out
+
+
+# --- composition by origin -------------------------------------------------------------------------------
+
+def test_origin_is_the_first_component_of_the_id() -> None:
+    assert origin_of("shakespeare/hamlet") == "shakespeare"
+    assert origin_of("python3.11-doc/library/os.html#2") == "python3.11-doc"
+    assert origin_of("doc001.txt") == NO_ORIGIN
+
+
+def test_info_gives_tokens_and_documents_by_origin_per_split(tmp_path, capsys) -> None:
+    root = tmp_path / "src"
+    write_corpus(root / "alpha", n=60, seed=0)
+    write_corpus(root / "python3.11-doc" / "library", n=40, seed=1)
+    write_corpus(root, n=5, seed=2)  # top-level files: no origin
+    out = tmp_path / "out"
+    summary = quiet_prepare(f"dir:{root}", out)
+    docs = [json.loads(line) for line in (out / "documents.jsonl").read_text().splitlines()]
+    for split, origins in summary["composition"].items():
+        assert sum(r["tokens"] for r in origins.values()) == summary["splits"][split]["tokens"]
+        assert sum(r["documents"] for r in origins.values()) == summary["splits"][split]["documents"]
+        assert sum(r["share"] for r in origins.values()) == pytest.approx(1, abs=1e-5)
+        tokens = [r["tokens"] for r in origins.values()]
+        assert tokens == sorted(tokens, reverse=True)
+        for name, r in origins.items():
+            mine = [d for d in docs if d["split"] == split and origin_of(d["id"]) == name]
+            assert (r["tokens"], r["documents"], r["bytes"]) == (sum(d["tokens"] for d in mine), len(mine),
+                                                                 sum(d["bytes"] for d in mine))
+    assert set(summary["composition"]["train"]) == {"alpha", "python3.11-doc", NO_ORIGIN}
+    assert data_cli.main(["data", "info", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["composition"] == summary["composition"]
+    assert data_cli.main(["data", "info", str(out)]) == 0
+    table = capsys.readouterr().out
+    alpha = summary["composition"]["train"]["alpha"]
+    assert re.search(rf"\n  alpha +{alpha['tokens']:,} +{alpha['share']:.1%} +{alpha['documents']:,}\n", table)
+
+
+def test_the_table_sums_the_smallest_origins_in_one_row() -> None:
+    origins = {f"o{i:02d}": {"tokens": 100 - i, "documents": 1, "bytes": 1, "share": (100 - i) / 5000}
+               for i in range(20)}
+    lines = data_cli.format_composition({"train": origins}, shown=5)
+    assert len([line for line in lines if line.startswith("  ")]) == 5
+    rest = sum(100 - i for i in range(4, 20))
+    assert re.search(rf"\(16 more origins\) +{rest:,} +{rest / 5000:.1%} +16$", lines[-1])

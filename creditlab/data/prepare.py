@@ -32,12 +32,13 @@ import numpy as np
 
 from creditlab.data import tokenizer as tokenizers
 from creditlab.data.documents import Document
-from creditlab.data.shards import MAX_VOCAB, file_sha256, read_header, write_shard
+from creditlab.data.shards import HEADER_BYTES, MAX_VOCAB, file_sha256, read_header, write_shard
 from creditlab.data.sources import DEFAULT_SOURCE, Source, open_source
 from creditlab.data.splits import DEFAULT_FRACTIONS, SPLITS, check_fractions, split_of
 
 MANIFEST = "manifest.json"
 DOCUMENTS = "documents.jsonl"
+NO_ORIGIN = "(none)"  # the origin of a document id without a `/`
 RUN_RECORD = "prepare.json"
 RUN_FORMAT = "creditlab-prepare-run/1"
 DEFAULT_TOKENIZER_SAMPLE_MB = 64  # bounds BPE training time; pack:prose (~15 MB) still trains on all of TRAIN
@@ -68,11 +69,13 @@ def manifest_sha256(data_dir: str | Path) -> str:
 
 
 def info(data_dir: str | Path) -> dict:
-    """A summary of a prepared folder: per-split tokens, documents and files; tokenizer; source; licences."""
+    """A summary of a prepared folder: per-split tokens, documents and files; composition by origin; tokenizer;
+    source; licences."""
     m = load_manifest(data_dir)
     return {
         "splits": {name: {"tokens": s["tokens"], "documents": s["documents"],
                           "files": [f["name"] for f in s["files"]]} for name, s in m["splits"].items()},
+        "composition": composition(data_dir),
         "tokenizer": {k: m["tokenizer"][k] for k in ("kind", "vocab_size", "sha256")},
         "source": m["source"],
         "licences": m["licences"],
@@ -80,23 +83,76 @@ def info(data_dir: str | Path) -> dict:
     }
 
 
+def origin_of(doc_id: str) -> str:
+    """The first `/`-separated component of a document id (`shakespeare/hamlet` -> `shakespeare`): its pack part,
+    author or top folder. An id without `/` (a file at the top of a dir: source, a jsonl record) has none."""
+    head, sep, _ = doc_id.partition("/")
+    return head if sep else NO_ORIGIN
+
+
+def composition(data_dir: str | Path) -> dict[str, dict[str, dict]]:
+    """split -> origin -> {tokens, documents, bytes, share of the split's tokens}, largest first, from documents.jsonl."""
+    path = Path(data_dir) / DOCUMENTS
+    if not path.exists():
+        return {}  # `data info --verify` reports it missing
+    per_split: dict[str, dict[str, dict]] = {s: {} for s in SPLITS}
+    with open(path, encoding="utf-8") as lines:
+        for line in lines:
+            doc = json.loads(line)
+            row = per_split[doc["split"]].setdefault(origin_of(doc["id"]), {"tokens": 0, "documents": 0, "bytes": 0})
+            row["tokens"] += doc["tokens"]
+            row["documents"] += 1
+            row["bytes"] += doc["bytes"]
+    out = {}
+    for split, origins in per_split.items():
+        total = sum(r["tokens"] for r in origins.values())
+        ranked = sorted(origins.items(), key=lambda kv: (-kv[1]["tokens"], kv[0]))
+        out[split] = {name: r | {"share": round(r["tokens"] / total, 6) if total else 0.0} for name, r in ranked}
+    return out
+
+
+def _size_problem(path: Path, tokens: int) -> str | None:
+    """Why a shard's file size is not the manifest's (a 1024-byte header + 2 bytes per token), or None."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return f"{path}: missing"
+    expected = HEADER_BYTES + 2 * tokens
+    if size != expected:
+        return (f"{path}: {size:,} bytes, but the manifest's {tokens:,} tokens make {expected:,} "
+                f"({HEADER_BYTES}-byte header + 2 bytes per token)")
+    return None
+
+
+def size_problems(data_dir: str | Path) -> list[str]:
+    """Each listed shard's size against the manifest (no hashing: cheap enough for every `data info`)."""
+    m = load_manifest(data_dir)
+    found = (_size_problem(Path(data_dir) / f["name"], f["tokens"]) for s in m["splits"].values() for f in s["files"])
+    return [p for p in found if p is not None]
+
+
 def verify(data_dir: str | Path) -> list[str]:
-    """Problems found re-hashing every file the manifest lists (an empty list: all files are as prepared)."""
+    """Problems found checking sizes and re-hashing every file the manifest lists, never from a cache (an
+    empty list: all files are as prepared)."""
     data_dir = Path(data_dir)
     m = load_manifest(data_dir)
-    listed = [(f["name"], f["sha256"]) for s in m["splits"].values() for f in s["files"]]
-    listed += [(m["tokenizer"]["file"], m["tokenizer"]["sha256"]), (DOCUMENTS, m["documents_sha256"])]
+    listed = [(f["name"], f["sha256"], f["tokens"]) for s in m["splits"].values() for f in s["files"]]
+    listed += [(m["tokenizer"]["file"], m["tokenizer"]["sha256"], None), (DOCUMENTS, m["documents_sha256"], None)]
     problems = []
-    for name, expected in listed:
+    for name, expected, tokens in listed:
         path = data_dir / name
         if not path.exists():
             problems.append(f"{path}: missing")
             continue
-        if name.endswith(".bin"):
-            try:
-                read_header(path)
-            except ValueError as e:
-                problems.append(str(e))
+        if tokens is not None:
+            problem = _size_problem(path, tokens)
+            if problem is None:
+                try:
+                    read_header(path)
+                except ValueError as e:
+                    problem = str(e)
+            if problem is not None:
+                problems.append(problem)
                 continue
         digest = file_sha256(path)
         if digest != expected:
