@@ -173,8 +173,8 @@ def test_dir_source_names_the_files_it_skips_once(tmp_path) -> None:
     lines = []
     quiet_prepare(f"dir:{root}", tmp_path / "out", log=lines.append)
     skipped = [line for line in lines if "not UTF-8" in line]
-    assert skipped == [f"dir:{root}: skipped 7 files: bin0.txt, bin1.txt, bin2.txt, bin3.txt, bin4.txt and 2 more "
-                       "that are not UTF-8 text"]
+    assert skipped == [f"dir:{root}: skipped 7 files that are not UTF-8 text: bin0.txt, bin1.txt, bin2.txt, "
+                       "bin3.txt, bin4.txt and 2 more"]
 
 
 # --- shard hashes checked on every read, with a cache -----------------------------------------------------

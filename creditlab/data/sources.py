@@ -109,15 +109,16 @@ def _dir_source(spec: str, root: Path, globs: list[str], log: Callable[[str], No
             yield Document(rel, text)
         if skipped and not reported:
             reported = True
-            log(f"{spec}: skipped {_some(skipped)} that are not UTF-8 text")
+            plural = "s" if len(skipped) != 1 else ""
+            log(f"{spec}: skipped {len(skipped)} file{plural} that are not UTF-8 text: {_first(skipped)}")
 
     return Source(spec, documents, _user_licence(spec), count=len(files))
 
 
-def _some(names: list[str], shown: int = 5) -> str:
-    """'3 files: a, b, c' or '12 files: a, b, c, d, e and 7 more'."""
+def _first(names: list[str], shown: int = 5) -> str:
+    """'a, b, c' or 'a, b, c, d, e and 7 more'."""
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
-    return f"{len(names)} file{'s' if len(names) != 1 else ''}: {', '.join(names[:shown])}{more}"
+    return ", ".join(names[:shown]) + more
 
 
 def _record_id(record: dict, fallback: str) -> str:
