@@ -273,9 +273,10 @@ def test_a_read_only_data_folder_reads_without_a_cache(prepared, monkeypatch) ->
 
     monkeypatch.setattr(integrity.os, "replace", refuse)
     hashed = count_hashes(monkeypatch)
+    shards = len(load_manifest(prepared)["splits"]["train"]["files"])
     for _ in range(2):
-        assert len(read_split(prepared, "train", purpose=None)) == len(load_manifest(prepared)["splits"]["train"]["files"])
-    assert len(hashed) == 2 * len(load_manifest(prepared)["splits"]["train"]["files"])  # every read hashes
+        assert len(read_split(prepared, "train", purpose=None)) == shards
+    assert len(hashed) == 2 * shards  # every read hashes
     assert not list(prepared.glob(".verified*"))  # and leaves nothing behind
 
 

@@ -91,7 +91,7 @@ def origin_of(doc_id: str) -> str:
 
 
 def composition(data_dir: str | Path) -> dict[str, dict[str, dict]]:
-    """split -> origin -> {tokens, documents, bytes, share of the split's tokens}, largest first, from documents.jsonl."""
+    """split -> origin -> {tokens, documents, bytes, share of the split's tokens}, largest first (documents.jsonl)."""
     path = Path(data_dir) / DOCUMENTS
     if not path.exists():
         return {}  # `data info --verify` reports it missing

@@ -21,8 +21,8 @@ give the same id, and admitting them again finds the admission (and its verdict)
 
 A run under an admission verifies every frozen file (the live file and the stored copy against the listed
 SHA256; shards have no copy, and their digests may come from the data folder's hash cache, see
-creditlab/data/integrity.py; package sources added since admission count as mismatches) and refuses to start on any mismatch,
-naming the files. One verdict per admission: a second screen is refused, except one `repair` (for a
+creditlab/data/integrity.py; package sources added since admission count as mismatches) and refuses to start
+on any mismatch, naming the files. One verdict per admission: a second screen is refused, except one `repair` (for a
 correctness mismatch), which the records mark.
 """
 
@@ -165,7 +165,7 @@ def _shards(cfg: Config, manifest_bytes: bytes) -> list[FrozenFile]:
 
 def admit(cfg: Config, out_dir: str | os.PathLike | None = None, root: str | os.PathLike | None = None,
           preset: str | None = None, overrides: list[str] | tuple = ()) -> tuple[Admission, bool]:
-    """Freeze sources, config and data manifest; returns (admission, created). Admitting the same inputs
+    """Freeze sources, config, data manifest and shard hashes; returns (admission, created). Admitting the same inputs
     again returns the existing admission (created=False) with whatever verdicts it already holds."""
     from creditlab import runtime as rt
 
@@ -304,7 +304,8 @@ def verify(adm: Admission, root: str | os.PathLike | None = None) -> Verificatio
     """Check every frozen file: the file the run will use and the stored copy, against the listed SHA256.
 
     Live files: a source at root/path; the config is the stored copy itself (an admitted run reads its
-    config from the admission); the data manifest where the frozen config's data.dir points from here."""
+    config from the admission); the data manifest and shards where the frozen config's data.dir points from
+    here."""
     root = Path(root) if root is not None else package_root()
     cfg = _config_or_none(adm) if any(f.role.startswith("data_") for f in adm.files) else None
     shard_cache = DigestCache(cfg.data.dir) if cfg is not None else None
