@@ -2,7 +2,8 @@
 
 Layout of a prepared folder:
     manifest.json            what was asked, what was made: per-file SHA256 and counts, tokenizer, licences;
-                             a pure function of the request and the source's bytes (no times, no local paths)
+                             a pure function of the request and the source's documents: no times or durations
+                             (a local path appears only where the source spec names one: dir:PATH)
     prepare.json             when, how long, how fast and where this preparation ran: never hashed or frozen
     tokenizer.json | gpt2.tiktoken
     documents.jsonl          one line per document: id, split, tokens, bytes (the audit trail of the split)
