@@ -9,6 +9,8 @@ import os
 import random
 import re
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -56,6 +58,20 @@ def test_two_preparations_are_byte_identical_manifest_included(corpus, tmp_path)
     assert run_a["created_utc"] != run_b["created_utc"] and run_a["out"] == str(a.resolve())
     assert run_a["manifest_sha256"] == manifest_sha256(a) and run_a["encode_mb_per_s"] > 0
     assert RUN_RECORD not in (a / MANIFEST).read_text() and str(a) not in (a / MANIFEST).read_text()
+
+
+def test_another_process_with_another_hash_seed_and_thread_count_prepares_the_same_bytes(corpus, tmp_path) -> None:
+    # str hashes (set and dict layouts) change with PYTHONHASHSEED; the BPE trainer's pool with RAYON_NUM_THREADS.
+    here = tmp_path / "here"
+    quiet_prepare(f"dir:{corpus}", here)
+    there = tmp_path / "there"
+    script = ("import sys; sys.path.insert(0, 'tests'); from pathlib import Path; from tiny_corpus import quiet_prepare; "
+              f"quiet_prepare({f'dir:{corpus}'!r}, Path({str(there)!r}))")
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "RAYON_NUM_THREADS": "3"}
+    subprocess.run([sys.executable, "-c", script], env=env, cwd=Path(__file__).resolve().parents[1], check=True)
+    assert manifest_sha256(there) == manifest_sha256(here)
+    assert file_bytes(there).keys() == file_bytes(here).keys()
+    assert all(file_bytes(there)[n] == data for n, data in file_bytes(here).items() if n != RUN_RECORD)
 
 
 # --- the tokenizer's fixed sample -----------------------------------------------------------------------
