@@ -65,8 +65,8 @@ def test_another_process_with_another_hash_seed_and_thread_count_prepares_the_sa
     here = tmp_path / "here"
     quiet_prepare(f"dir:{corpus}", here)
     there = tmp_path / "there"
-    script = ("import sys; sys.path.insert(0, 'tests'); from pathlib import Path; from tiny_corpus import quiet_prepare; "
-              f"quiet_prepare({f'dir:{corpus}'!r}, Path({str(there)!r}))")
+    script = ("import sys; sys.path.insert(0, 'tests'); from pathlib import Path; "
+              f"from tiny_corpus import quiet_prepare; quiet_prepare({f'dir:{corpus}'!r}, Path({str(there)!r}))")
     env = {**os.environ, "PYTHONHASHSEED": "12345", "RAYON_NUM_THREADS": "3"}
     subprocess.run([sys.executable, "-c", script], env=env, cwd=Path(__file__).resolve().parents[1], check=True)
     assert manifest_sha256(there) == manifest_sha256(here)
