@@ -368,18 +368,8 @@ def prepare(source: str = DEFAULT_SOURCE, out_dir: str | Path = DEFAULT_OUT, voc
                "split_fractions": dict(zip(SPLITS, fractions)), "shard_tokens": shard_tokens,
                "tokenizer_sample_mb": sample_mb}
 
-    if (out / MANIFEST).exists():
-        old = load_manifest(out)
-        if old.get("request") == request and not force:
-            log(f"{out} is already prepared from {source} ({tokenizer}, vocab {vocab_size}); "
-                "nothing to do (pass --force to prepare it again)")
-            return info(out)
-        if not force:
-            diff = {k: (old.get("request", {}).get(k), v) for k, v in request.items()
-                    if old.get("request", {}).get(k) != v}
-            raise PrepareError(f"{out} already holds data prepared differently "
-                               f"({', '.join(f'{k}: {a!r} -> {b!r}' for k, (a, b) in diff.items())}); "
-                               "pass --force to replace it, or choose another --out")
+    if _already_prepared(out, request, force, log):
+        return info(out)
 
     clock = _Clock()
     src = open_source(source, text_field=text_field, cache=cache, log=log)
@@ -387,19 +377,8 @@ def prepare(source: str = DEFAULT_SOURCE, out_dir: str | Path = DEFAULT_OUT, voc
     census = _census(src, fractions, sample_bytes, progress)
     _check_not_empty(census, fractions, source)
     clock.lap("read")
-
-    sample = census.sample.record()
     if tokenizer == "bpe":
-        log(f"training a byte-level BPE of {vocab_size} ids on {sample['documents']:,} of the "
-            f"{sample['train_documents']:,} TRAIN documents of {source} ({sample['bytes'] / 1e6:.1f} of "
-            f"{sample['train_bytes'] / 1e6:.1f} MB)")
-        wanted = census.sample.ids()
-        train_texts = (doc.text for doc, split, _ in _scan(src.documents(), fractions, {})
-                       if split == "train" and (wanted is None or doc.id in wanted))
-        tok = tokenizers.train_bpe(train_texts, vocab_size, progress=progress)
-        if tok.vocab_size < vocab_size:
-            log(f"warning: the TRAIN text supports only {tok.vocab_size} ids, fewer than the {vocab_size} asked; "
-                f"the tokenizer has vocab_size {tok.vocab_size}")
+        tok = _train_bpe(src, census, fractions, vocab_size, progress, log)
     else:
         tok = tokenizers.gpt2(cache, log)
     clock.lap("tokenizer")
@@ -423,7 +402,7 @@ def prepare(source: str = DEFAULT_SOURCE, out_dir: str | Path = DEFAULT_OUT, voc
         tok_record["origin"] = tokenizers.GPT2_ORIGIN
     else:
         tok_record["origin"] = f"byte-level BPE trained on a sample of the TRAIN documents of {source}"
-        tok_record["sample"] = sample
+        tok_record["sample"] = census.sample.record()
 
     manifest = {
         "format": FORMAT,
@@ -461,6 +440,40 @@ def prepare(source: str = DEFAULT_SOURCE, out_dir: str | Path = DEFAULT_OUT, voc
     log(f"prepared {out}: {total:,} tokens in {clock.total():.1f} s, tokenizer {tok.kind} "
         f"vocab {tok.vocab_size} sha256 {tok.sha256[:16]}")
     return info(out)
+
+
+def _already_prepared(out: Path, request: dict, force: bool, log: Callable[[str], None]) -> bool:
+    """True when `out` holds this very request (nothing to do); refuses a different one unless `force`."""
+    if not (out / MANIFEST).exists():
+        return False
+    old = load_manifest(out).get("request", {})
+    if old == request and not force:
+        log(f"{out} is already prepared from {request['source']} ({request['tokenizer']}, vocab "
+            f"{request['vocab_size']}); nothing to do (pass --force to prepare it again)")
+        return True
+    if not force:
+        diff = {k: (old.get(k), v) for k, v in request.items() if old.get(k) != v}
+        raise PrepareError(f"{out} already holds data prepared differently "
+                           f"({', '.join(f'{k}: {a!r} -> {b!r}' for k, (a, b) in diff.items())}); "
+                           "pass --force to replace it, or choose another --out")
+    return False
+
+
+def _train_bpe(src: Source, census: _Census, fractions: Sequence[float], vocab_size: int, progress: bool,
+               log: Callable[[str], None]) -> tokenizers.Tokenizer:
+    """A byte-level BPE trained on the census's sample of TRAIN, read from the source once more."""
+    sample = census.sample.record()
+    log(f"training a byte-level BPE of {vocab_size} ids on {sample['documents']:,} of the "
+        f"{sample['train_documents']:,} TRAIN documents of {src.spec} ({sample['bytes'] / 1e6:.1f} of "
+        f"{sample['train_bytes'] / 1e6:.1f} MB)")
+    wanted = census.sample.ids()
+    texts = (doc.text for doc, split, _ in _scan(src.documents(), fractions, {})
+             if split == "train" and (wanted is None or doc.id in wanted))
+    tok = tokenizers.train_bpe(texts, vocab_size, progress=progress)
+    if tok.vocab_size < vocab_size:
+        log(f"warning: the TRAIN text supports only {tok.vocab_size} ids, fewer than the {vocab_size} asked; "
+            f"the tokenizer has vocab_size {tok.vocab_size}")
+    return tok
 
 
 class _Clock:
