@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from creditlab import config as config_mod
+from creditlab import cli, config as config_mod
 from creditlab.data import (PrepareError, ShardError, ShardLoader, load_manifest, make_loader, read_shard,
                             read_split, write_shard)
 from creditlab.data import cli as data_cli
@@ -399,3 +399,13 @@ def test_the_table_sums_the_smallest_origins_in_one_row() -> None:
     assert len([line for line in lines if line.startswith("  ")]) == 5
     rest = sum(100 - i for i in range(4, 20))
     assert re.search(rf"\(16 more origins\) +{rest:,} +{rest / 5000:.1%} +16$", lines[-1])
+
+
+def test_train_on_an_edited_shard_stops_with_one_line(prepared, tmp_path, capsys) -> None:
+    shard = prepared / load_manifest(prepared)["splits"]["train"]["files"][0]["name"]
+    flip_last_byte(shard)
+    code = cli.main(["train", "--preset", "tiny", "--no-record", "--no-progress", "--set", "data.source=shards",
+                     "--set", f"data.dir={prepared}", "--set", f"model.vocab_size={VOCAB}", "--set", "model.seq_len=16",
+                     "--set", f"train.out_dir={tmp_path / 'runs'}"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and last.startswith("creditlab: error: shards differ from the manifest") and shard.name in last

@@ -15,7 +15,7 @@ from creditlab.data.synthetic import SyntheticLoader
 
 __all__ = ["SyntheticLoader", "ShardLoader", "make_loader", "prepare", "info", "verify", "load_manifest",
            "read_split", "read_shard", "write_shard", "SPLITS", "LedgerError", "ShardError", "PrepareError",
-           "NotPreparedError", "VocabMismatchError", "DATA_SOURCES"]
+           "NotPreparedError", "VocabMismatchError", "DATA_ERRORS", "DATA_SOURCES"]
 
 DATA_SOURCES = ("synthetic", "shards")
 # The synthetic stream has no files to split: DEV/FINAL_HELDOUT batches come from positions far beyond any
@@ -25,6 +25,10 @@ SYNTHETIC_SPLIT_OFFSET = {"train": 0, "dev": 1 << 40, "final_heldout": 2 << 40}
 
 class VocabMismatchError(ValueError):
     pass
+
+
+# What make_loader raises for data a run cannot use: each message names the problem and the fix.
+DATA_ERRORS = (NotPreparedError, VocabMismatchError, ShardError, LedgerError)
 
 
 def make_loader(cfg, split: str = "train", rank: int = 0, world_size: int = 1, *, position: int = 0,
