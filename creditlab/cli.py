@@ -91,6 +91,7 @@ def cmd_check(args) -> int:
 
 def cmd_train(args) -> int:
     from creditlab import runtime as rt
+    from creditlab.data import DATA_ERRORS
     from creditlab.protocol.records import append_jsonl, new_record_dir, read_jsonl, write_once
     from creditlab.train import Trainer, UpdateRow, latest_rows, median_last, row_dict
 
@@ -103,7 +104,11 @@ def cmd_train(args) -> int:
     if runtime.is_main:
         print_config(cfg)
     peak = rt.measure_matmul_tflops(runtime)
-    trainer = Trainer(cfg, runtime, peak_tflops=peak)
+    try:
+        trainer = Trainer(cfg, runtime, peak_tflops=peak)
+    except DATA_ERRORS as exc:  # data that cannot be trained on: one line saying why, no traceback
+        print(f"creditlab: error: {exc}", file=sys.stderr)
+        return 2
     if checkpoint is not None:
         trainer.load_checkpoint(checkpoint)
         print(f"resumed {record} from {checkpoint.name} at update {trainer.update_index}", file=sys.stderr)

@@ -7,8 +7,11 @@ import functools
 import gzip
 import hashlib
 import json
+import os
 import random
 import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -60,6 +63,27 @@ def test_bpe_vocab_counts_separator_last_and_training_is_deterministic() -> None
     assert a.vocab_size == 400 and a.separator == 399
     assert a.sha256 == b.sha256
     assert a.decode(a.encode("x") + [a.separator] + a.encode("y")) == "x<|endoftext|>y"
+
+
+_TRAIN_AND_PRINT_SHA = """
+import sys
+sys.path.insert(0, "tests")
+from test_data import TRAIN_TEXTS
+from creditlab.data.tokenizer import train_bpe
+texts = [t.replace("fox", f"fox{i % 7}") for i in range(40) for t in TRAIN_TEXTS]
+print(train_bpe(texts, vocab_size=600, progress=False).sha256)
+"""
+
+
+def test_bpe_training_is_the_same_on_one_thread_and_on_several() -> None:
+    # The trainer counts pairs on a rayon thread pool, sized once per process: one process per pool size.
+    digests = set()
+    for threads in ("1", "4"):
+        env = {**os.environ, "RAYON_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "true"}
+        done = subprocess.run([sys.executable, "-c", _TRAIN_AND_PRINT_SHA], capture_output=True, text=True,
+                              env=env, cwd=Path(__file__).resolve().parents[1], check=True)
+        digests.add(done.stdout.strip())
+    assert len(digests) == 1 and len(digests.pop()) == 64
 
 
 def test_bpe_vocab_too_small_is_refused() -> None:

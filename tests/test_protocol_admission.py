@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 from creditlab import cli, config
+from creditlab.data import load_manifest
 from creditlab.protocol import admission as adm
 from creditlab.protocol.records import canonical_json
+from tiny_corpus import quiet_prepare, write_corpus
 
 
 def make_tree(root: Path) -> Path:
@@ -197,3 +199,28 @@ def test_cli_admit_json_and_refusal_on_an_altered_copy(tmp_path, capsys):
     assert cli.main(["screen", "--admission", printed["admission"], "--out-dir", str(out),
                      "--set", "screen.updates=2"]) == 2
     assert "admitted config" in capsys.readouterr().err
+
+
+def test_an_edited_shard_is_refused_though_the_manifest_is_untouched(tmp_path, tree):
+    data = tmp_path / "prepared"
+    write_corpus(tmp_path / "corpus", n=100)
+    quiet_prepare(f"dir:{tmp_path / 'corpus'}", data)
+    cfg = cfg_for(tmp_path, "data.source=shards", f"data.dir={data}")
+    a, _ = adm.admit(cfg, root=tree)
+    listed = [f for s in load_manifest(data)["splits"].values() for f in s["files"]]
+    frozen = {f.path: (f.role, f.sha256) for f in a.files if f.role == "data_shard"}
+    assert frozen == {f"data/{f['name']}": ("data_shard", f["sha256"]) for f in listed}
+    assert a.meta["counts"]["data_shard"] == len(listed) > 3
+    assert sorted(p.name for p in (a.dir / adm.FILES / "data").iterdir()) == ["manifest.json"]  # shards not copied
+    assert adm.verify(a, tree).ok
+    shard = listed[0]["name"]
+    raw = bytearray((data / shard).read_bytes())
+    raw[-1] ^= 1
+    (data / shard).write_bytes(bytes(raw))
+    with pytest.raises(adm.AdmissionMismatch, match=rf"data/{shard} \(changed since admission\)"):
+        adm.verified_config(a, tree)
+    # Data that already differ from their manifest are not admitted at all.
+    with pytest.raises(adm.AdmissionError, match=rf"do not match its manifest \({data / shard} has SHA256"):
+        adm.admit(cfg_for(tmp_path, "data.source=shards", f"data.dir={data}", "screen.updates=7"), root=tree)
+    (data / shard).unlink()
+    assert {c.path: c.status for c in adm.verify(a, tree).checks}[f"data/{shard}"] == "missing"

@@ -28,7 +28,8 @@ def write_corpus(root: Path, n: int = 160, seed: int = 0) -> dict[str, str]:
 def quiet_prepare(source: str, out: Path, **kw) -> dict:
     kw.setdefault("vocab_size", VOCAB)
     kw.setdefault("shard_tokens", 4000)  # several shards per split: loaders must cross shard boundaries
-    return prepare(source, out, progress=False, log=lambda _: None, **kw)
+    kw.setdefault("log", lambda _: None)
+    return prepare(source, out, progress=False, **kw)
 
 
 def prepare_corpus(corpus_dir: Path, out: Path) -> Path:

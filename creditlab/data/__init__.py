@@ -15,7 +15,7 @@ from creditlab.data.synthetic import SyntheticLoader
 
 __all__ = ["SyntheticLoader", "ShardLoader", "make_loader", "prepare", "info", "verify", "load_manifest",
            "read_split", "read_shard", "write_shard", "SPLITS", "LedgerError", "ShardError", "PrepareError",
-           "NotPreparedError", "VocabMismatchError", "DATA_SOURCES"]
+           "NotPreparedError", "VocabMismatchError", "DATA_ERRORS", "DATA_SOURCES"]
 
 DATA_SOURCES = ("synthetic", "shards")
 # The synthetic stream has no files to split: DEV/FINAL_HELDOUT batches come from positions far beyond any
@@ -27,14 +27,19 @@ class VocabMismatchError(ValueError):
     pass
 
 
+# What make_loader raises for data a run cannot use: each message names the problem and the fix.
+DATA_ERRORS = (NotPreparedError, VocabMismatchError, ShardError, LedgerError)
+
+
 def make_loader(cfg, split: str = "train", rank: int = 0, world_size: int = 1, *, position: int = 0,
                 purpose: str | None = None, admission: str | None = None, allow_final_heldout: bool = False,
                 seed: int | None = None):
     """The loader a run of `cfg` reads `split` from: SyntheticLoader or ShardLoader, with one interface.
 
-    For shards, the prepared tokenizer's vocab_size must equal cfg.model.vocab_size. DEV/FINAL_HELDOUT reads
-    of shards need a `purpose` and are written to the access ledger with it and `admission`. `seed` replaces
-    cfg.train.seed as the order's seed (evaluation reads one fixed subset whatever the run's seed).
+    For shards, the prepared tokenizer's vocab_size must equal cfg.model.vocab_size, every shard must have the
+    manifest's SHA256 and no id may reach the vocab_size. DEV/FINAL_HELDOUT reads of shards need a `purpose`
+    and are written to the access ledger with it and `admission`. `seed` replaces cfg.train.seed as the
+    order's seed (evaluation reads one fixed subset whatever the run's seed).
     """
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; splits: {', '.join(SPLITS)}")
@@ -51,7 +56,8 @@ def make_loader(cfg, split: str = "train", rank: int = 0, world_size: int = 1, *
     if tok["vocab_size"] != m.vocab_size:
         raise VocabMismatchError(_vocab_mismatch(cfg, manifest))
     return ShardLoader(cfg.data.dir, split, t.micro_batch, m.seq_len, seed, rank, world_size, position,
-                       purpose=purpose, admission=admission, allow_final_heldout=allow_final_heldout)
+                       purpose=purpose, admission=admission, allow_final_heldout=allow_final_heldout,
+                       vocab_size=m.vocab_size)
 
 
 def _vocab_mismatch(cfg, manifest: dict) -> str:

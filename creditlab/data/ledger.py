@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from creditlab.data.integrity import check_shards
 from creditlab.data.prepare import load_manifest, manifest_sha256
 from creditlab.data.shards import read_shard
 from creditlab.data.splits import SPLITS
@@ -33,10 +34,13 @@ class LedgerError(PermissionError):
 
 
 def split_tokens(data_dir: str | Path, split: str) -> list[np.ndarray]:
-    """The memory-mapped shards of a split, validated. Private to this package: DEV/FINAL_HELDOUT go via read_split."""
+    """The memory-mapped shards of a split, each checked against the manifest's SHA256 first (see integrity.py).
+
+    Private to this package: DEV/FINAL_HELDOUT go via read_split."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; splits: {', '.join(SPLITS)}")
     m = load_manifest(data_dir)
+    check_shards(data_dir, m["splits"][split]["files"], m.get("source"))
     shards = []
     for f in m["splits"][split]["files"]:
         tokens = read_shard(Path(data_dir) / f["name"])

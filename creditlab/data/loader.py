@@ -15,13 +15,15 @@ import numpy as np
 import torch
 
 from creditlab.data.ledger import read_split
-from creditlab.data.prepare import manifest_sha256
+from creditlab.data.prepare import load_manifest, manifest_sha256
+from creditlab.data.shards import check_ids
 
 
 class ShardLoader:
     def __init__(self, data_dir: str | Path, split: str, micro_batch: int, seq_len: int, seed: int = 0,
                  rank: int = 0, world_size: int = 1, position: int = 0, *, purpose: str | None = None,
-                 admission: str | None = None, allow_final_heldout: bool = False):
+                 admission: str | None = None, allow_final_heldout: bool = False, vocab_size: int | None = None):
+        """`vocab_size`: the model's; every shard's ids are checked against it here, before any batch."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         if micro_batch < 1 or seq_len < 1:
@@ -32,6 +34,10 @@ class ShardLoader:
         # DEV and FINAL_HELDOUT go through the ledger (one entry per loader); TRAIN does not.
         self._shards = read_split(data_dir, split, purpose, admission, allow_final_heldout, rank, world_size)
         self._manifest_sha256 = manifest_sha256(data_dir)
+        if vocab_size is not None:
+            names = [f["name"] for f in load_manifest(data_dir)["splits"][split]["files"]]
+            for name, tokens in zip(names, self._shards):
+                check_ids(self.data_dir / name, tokens, vocab_size)
         self._ends = np.cumsum([s.size for s in self._shards])  # stream offset where each shard ends
         self.tokens = int(self._ends[-1]) if len(self._ends) else 0
         # Windows start at shift + i*T with shift < T, and need T+1 tokens: n*T + T <= tokens.

@@ -92,6 +92,20 @@ def read_shard(path: str | os.PathLike) -> np.ndarray:
     return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(count,))
 
 
+def check_ids(path: str | os.PathLike, tokens: np.ndarray, vocab_size: int) -> None:
+    """Raise ShardError at the first token id >= vocab_size, naming the shard and the token's offset.
+
+    An id beyond the model's embedding would otherwise surface as a bare IndexError deep in a training step.
+    """
+    if tokens.size == 0 or int(tokens.max()) < vocab_size:
+        return
+    offset = int(np.argmax(tokens >= vocab_size))
+    raise ShardError(f"{path}: token {offset:,} (byte {HEADER_BYTES + 2 * offset:,}) is id {int(tokens[offset])}, "
+                     f"outside the model's vocabulary of {vocab_size} ids (largest id in the shard: "
+                     f"{int(tokens.max())}); these shards were not made for this vocabulary: prepare the data "
+                     "again for it, or use a model whose vocab_size covers them")
+
+
 def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:

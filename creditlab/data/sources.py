@@ -94,19 +94,31 @@ def _dir_source(spec: str, root: Path, globs: list[str], log: Callable[[str], No
     if not files:
         raise SourceError(f"{spec}: no files match {','.join(globs)} under {root}")
 
+    reported = False  # prepare reads a source more than once: say what was skipped the first time only
+
     def documents() -> Iterator[Document]:
-        skipped = 0
+        nonlocal reported
+        skipped = []
         for p in files:
+            rel = p.relative_to(root).as_posix()
             try:
                 text = p.read_bytes().decode("utf-8")
             except UnicodeDecodeError:
-                skipped += 1  # binary or non-UTF-8 files are not text documents
+                skipped.append(rel)  # binary or non-UTF-8 files are not text documents
                 continue
-            yield Document(p.relative_to(root).as_posix(), text)
-        if skipped:
-            log(f"{spec}: skipped {skipped} files that are not UTF-8 text")
+            yield Document(rel, text)
+        if skipped and not reported:
+            reported = True
+            plural = "s" if len(skipped) != 1 else ""
+            log(f"{spec}: skipped {len(skipped)} file{plural} that are not UTF-8 text: {_first(skipped)}")
 
     return Source(spec, documents, _user_licence(spec), count=len(files))
+
+
+def _first(names: list[str], shown: int = 5) -> str:
+    """'a, b, c' or 'a, b, c, d, e and 7 more'."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def _record_id(record: dict, fallback: str) -> str:

@@ -5,20 +5,24 @@ An admission lists every file a run depends on, each with its SHA256:
 * every package source file, `creditlab/**/*.py` (role `source`);
 * the resolved config, written as canonical JSON into the admission itself (role `config`, `config.json`);
 * the prepared data's `manifest.json` (role `data_manifest`), which itself lists every shard's SHA256; with
-  `data.source=synthetic` there is no file to freeze and the admission says so.
+  `data.source=synthetic` there is no file to freeze and the admission says so;
+* every shard that manifest lists (role `data_shard`, path `data/<shard name>`), hashed but not copied: shards
+  are large, and the frozen manifest already says what they must be. A shard that does not match its manifest
+  is refused at admission.
 
 The admission id is the SHA256 of that list (path, role, sha256; canonical JSON), so the same inputs always
 give the same id, and admitting them again finds the admission (and its verdict) already there. Layout:
 
     <train.out_dir>/admissions/<id>/
         admission.json   the list and what it was made from; written last
-        files/...        a copy of every frozen file, byte for byte
+        files/...        a copy of every frozen file but the shards, byte for byte
         verdicts.jsonl   one line per verdict reached under this admission (append-only)
         screens.jsonl    one line per screen started under it, with its record folder (append-only)
 
 A run under an admission verifies every frozen file (the live file and the stored copy against the listed
-SHA256; package sources added since admission count as mismatches) and refuses to start on any mismatch,
-naming the files. One verdict per admission: a second screen is refused, except one `repair` (for a
+SHA256; shards have no copy, and their digests may come from the data folder's hash cache, see
+creditlab/data/integrity.py; package sources added since admission count as mismatches) and refuses to start
+on any mismatch, naming the files. One verdict per admission: a second screen is refused, except one `repair` (for a
 correctness mismatch), which the records mark.
 """
 
@@ -35,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from creditlab.config import Config
+from creditlab.data.integrity import DigestCache, shard_problems
 from creditlab.protocol.records import append_jsonl, canonical_json, read_jsonl, sha256_file, write_bytes_once, \
     write_once
 
@@ -46,6 +51,9 @@ VERDICTS = "verdicts.jsonl"
 SCREENS = "screens.jsonl"
 CONFIG_PATH = "config.json"
 MANIFEST_PATH = "data/manifest.json"
+DATA_PREFIX = "data/"  # shards are listed as data/<shard name>
+UNCOPIED = ("data_shard",)  # roles frozen by hash only
+ROLES = ("source", "config", "data_manifest", "data_shard")
 PACKAGE = "creditlab"
 
 
@@ -65,8 +73,8 @@ class AdmissionConsumed(AdmissionError):
 
 @dataclass(frozen=True)
 class FrozenFile:
-    path: str  # as listed, and under files/: creditlab/..., config.json, data/manifest.json
-    role: str  # source | config | data_manifest
+    path: str  # as listed, and under files/ (but shards): creditlab/..., config.json, data/manifest.json
+    role: str  # source | config | data_manifest | data_shard
     sha256: str
 
 
@@ -138,9 +146,26 @@ def _payloads(cfg: Config, root: Path) -> dict[str, tuple[str, bytes]]:
     return out
 
 
+def _shards(cfg: Config, manifest_bytes: bytes) -> list[FrozenFile]:
+    """The manifest's shards as frozen entries, after checking that the live shards are what it lists."""
+    data_dir = Path(cfg.data.dir)
+    try:
+        listed = [f for split in json.loads(manifest_bytes)["splits"].values() for f in split["files"]]
+        entries = [FrozenFile(DATA_PREFIX + f["name"], "data_shard", f["sha256"]) for f in listed]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise AdmissionError(f"{manifest_file(cfg)} is not a data manifest (no splits with files); prepare the "
+                             f"data again (`creditlab data prepare --out {cfg.data.dir} --force`)") from None
+    problems = shard_problems(data_dir, listed)
+    if problems:
+        raise AdmissionError(f"the shards in {data_dir} do not match its manifest ({'; '.join(problems)}); "
+                             f"restore them or prepare the data again (`creditlab data prepare --out "
+                             f"{cfg.data.dir} --force`) before admitting")
+    return entries
+
+
 def admit(cfg: Config, out_dir: str | os.PathLike | None = None, root: str | os.PathLike | None = None,
           preset: str | None = None, overrides: list[str] | tuple = ()) -> tuple[Admission, bool]:
-    """Freeze sources, config and data manifest; returns (admission, created). Admitting the same inputs
+    """Freeze sources, config, data manifest and shard hashes; returns (admission, created). Admitting the same inputs
     again returns the existing admission (created=False) with whatever verdicts it already holds."""
     from creditlab import runtime as rt
 
@@ -148,6 +173,8 @@ def admit(cfg: Config, out_dir: str | os.PathLike | None = None, root: str | os.
     payloads = _payloads(cfg, root)
     files = [FrozenFile(path, role, hashlib.sha256(data).hexdigest())
              for path, (role, data) in sorted(payloads.items())]
+    if MANIFEST_PATH in payloads:
+        files = sorted(files + _shards(cfg, payloads[MANIFEST_PATH][1]), key=lambda f: f.path)
     ident = admission_id(files)
     base = Path(out_dir if out_dir is not None else cfg.train.out_dir) / ADMISSIONS
     final = base / ident
@@ -155,7 +182,7 @@ def admit(cfg: Config, out_dir: str | os.PathLike | None = None, root: str | os.
         return load(final), False
     base.mkdir(parents=True, exist_ok=True)
     manifest = manifest_file(cfg)
-    counts = {role: sum(f.role == role for f in files) for role in ("source", "config", "data_manifest")}
+    counts = {role: sum(f.role == role for f in files) for role in ROLES}
     meta = {
         "format": FORMAT, "admission": ident, "files": [asdict(f) for f in files], "counts": counts,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -277,25 +304,32 @@ def verify(adm: Admission, root: str | os.PathLike | None = None) -> Verificatio
     """Check every frozen file: the file the run will use and the stored copy, against the listed SHA256.
 
     Live files: a source at root/path; the config is the stored copy itself (an admitted run reads its
-    config from the admission); the data manifest where the frozen config's data.dir points from here."""
+    config from the admission); the data manifest and shards where the frozen config's data.dir points from
+    here."""
     root = Path(root) if root is not None else package_root()
-    cfg = None
+    cfg = _config_or_none(adm) if any(f.role.startswith("data_") for f in adm.files) else None
+    shard_cache = DigestCache(cfg.data.dir) if cfg is not None else None
     checks = []
     for f in adm.files:
-        copy = _sha_or_none(adm.copy_path(f))
+        copy = _sha_or_none(adm.copy_path(f)) if f.role not in UNCOPIED else None
         if f.role == "source":
             where = root / f.path
         elif f.role == "config":
             where = adm.copy_path(f)
+        elif f.role == "data_shard":
+            where = Path(cfg.data.dir) / f.path.removeprefix(DATA_PREFIX) if cfg is not None else None
         else:
-            if cfg is None:
-                cfg = _config_or_none(adm)
             where = manifest_file(cfg) if cfg is not None else None
-        live = _sha_or_none(where) if where is not None else None
+        if f.role == "data_shard":
+            live = _cached_sha_or_none(shard_cache, where.name) if where is not None else None
+        else:
+            live = _sha_or_none(where) if where is not None else None
         if live is None:
             status = "missing"
         elif live != f.sha256:
             status = "changed"
+        elif f.role in UNCOPIED:
+            status = "match"
         elif copy is None:
             status = "copy_missing"
         elif copy != f.sha256:
@@ -303,11 +337,20 @@ def verify(adm: Admission, root: str | os.PathLike | None = None) -> Verificatio
         else:
             status = "match"
         checks.append(FileCheck(f.path, f.role, status, f.sha256, live, copy, str(where) if where else None))
+    if shard_cache is not None:
+        shard_cache.save()
     listed = {f.path for f in adm.files if f.role == "source"}
     for rel in source_paths(root):
         if rel not in listed:
             checks.append(FileCheck(rel, "source", "added", None, sha256_file(root / rel), None, str(root / rel)))
     return Verification(adm.id, checks)
+
+
+def _cached_sha_or_none(cache: DigestCache | None, name: str) -> str | None:
+    try:
+        return cache.sha256(name) if cache is not None else None
+    except (FileNotFoundError, IsADirectoryError):
+        return None
 
 
 def _config_or_none(adm: Admission) -> Config | None:

@@ -60,7 +60,8 @@ def cmd_admit(args) -> int:
     data = adm.meta["data"]
     print(f"admission {adm.id}")
     print(f"  {len(adm.files)} files frozen: {counts['source']} package sources, the resolved config, "
-          + ("the data manifest" if data["applies"] else "no data manifest (synthetic data: none applies)"))
+          + (f"the data manifest and its {counts.get('data_shard', 0)} shards (by hash)" if data["applies"]
+             else "no data manifest (synthetic data: none applies)"))
     print(f"  {'stored in' if created else 'already admitted, in'} {adm.dir}")
     done = adm_mod.verdicts(adm)
     if done:
