@@ -65,7 +65,7 @@ class Trainer:
         self.cfg = cfg
         self.runtime = runtime or rt.resolve(cfg.train)
         self.model = model if model is not None else build_model(cfg, self.runtime)
-        self.source = make_source(cfg).to(self.runtime.device)
+        self.source = make_source(cfg).to(device=self.runtime.device, dtype=self.runtime.param_dtype)
         self.optimizers = Optimizers(self.model, cfg.train)
         self.loader = loader if loader is not None else data.make_loader(
             cfg, "train", self.runtime.rank, self.runtime.world_size)
