@@ -242,9 +242,10 @@ def cmd_heldout(args) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        bpb = "" if result["bits_per_byte"] is None else f", {result['bits_per_byte']:.4f} bits/byte"
-        print(f"FINAL_HELDOUT of {args.run}: loss {result['loss']:.4f} nats/token{bpb} over {result['tokens']:,} "
-              f"tokens (admission {result['admission'][:16]}; the ledger allows no second read under it)")
+        print(f"FINAL_HELDOUT under admission {result['admission'][:16]} (the ledger allows no second read under it):")
+        for name, row in result["models"].items():
+            bpb = "" if row["bits_per_byte"] is None else f", {row['bits_per_byte']:.4f} bits/byte"
+            print(f"  {name}: loss {row['loss']:.4f} nats/token{bpb} over {row['tokens']:,} tokens")
     return 0
 
 
@@ -289,8 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_compare)
 
-    p = sub.add_parser("heldout", help="FINAL_HELDOUT loss of a finished run, once per admission")
-    p.add_argument("run", help="a finished run's record folder (with model.pt)")
+    p = sub.add_parser("heldout", help="FINAL_HELDOUT loss of a finished run or comparison, once per admission")
+    p.add_argument("run", help="a finished run's record folder (with model.pt), or a compare folder (all its "
+                               "models in one read)")
     p.add_argument("--admission", required=True, help="admission id (or unique prefix, or its folder)")
     p.add_argument("--out-dir", default="runs", help="folder holding admissions/ (default runs)")
     p.add_argument("--tokens", type=int, default=None, help="tokens to evaluate (default: the whole split)")

@@ -186,6 +186,7 @@ def test_train_writes_eval_rows_and_heldout_is_read_once(corpus, tmp_path, capsy
     assert cli.main(["heldout", str(run), "--admission", admission, "--out-dir", str(runs), "--json"]) == 0
     first = json.loads(capsys.readouterr().out)
     assert first["split"] == "final_heldout" and first["loss"] > 0 and first["bits_per_byte"] > 0
+    assert list(first["models"]) == [run.name]
     assert cli.main(["heldout", str(run), "--admission", admission, "--out-dir", str(runs)]) == 2
     err = capsys.readouterr().err
     assert "already read under admission" in err and len(err.strip().splitlines()) == 1
@@ -205,6 +206,16 @@ def test_merge_joins_seeds_run_in_separate_processes(corpus, tmp_path, capsys):
     assert merged["summary"]["zero"]["dev_loss"]["values"] == [r["runs"]["zero"][str(s)]["dev_loss"]
                                                                for r, s in zip(singles, (1, 2))]
     assert "Merged from" in (tmp_path / "both" / "report.md").read_text()
+    # FINAL_HELDOUT of a comparison: every model of both seeds in one read (one ledger entry).
+    capsys.readouterr()
+    assert cli.main(["admit", "--preset", "tiny", "--json", "--set", f"train.out_dir={tmp_path}", *argv]) == 0
+    admission = json.loads(capsys.readouterr().out)["admission"]
+    before = len(entries(corpus))
+    assert cli.main(["heldout", str(tmp_path / "both"), "--admission", admission, "--out-dir", str(tmp_path),
+                     "--json"]) == 0
+    held = json.loads(capsys.readouterr().out)
+    assert sorted(held["models"]) == ["native-seed1", "native-seed2", "zero-seed1", "zero-seed2"]
+    assert len(entries(corpus)) == before + 1
     capsys.readouterr()
     # The same seed twice is refused.
     assert cli.main(["compare", "--merge", str(tmp_path / "s1"), str(tmp_path / "s1"),

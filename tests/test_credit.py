@@ -428,8 +428,8 @@ def test_the_fitted_sources_are_the_ones_with_teacher_updates():
         assert make_source(cfg).fits == (name in FITTED_SOURCES), name
 
 
-@pytest.mark.parametrize("name", ["learned", "dni"])
-def test_fitted_sources_train_the_same_through_the_compiler(name, monkeypatch):
+@pytest.mark.parametrize("name, fit", [("learned", "adam"), ("dni", "adam"), ("learned", "lstsq"), ("dni", "lstsq")])
+def test_fitted_sources_train_the_same_through_the_compiler(name, fit, monkeypatch):
     """On the GPU the step is compiled by default. Here the compiler traces the same step (teacher and synthetic
     micro-batches, the fits' autograd Functions) with the `aot_eager` backend, which needs no C++ toolchain,
     must not fall back to eager, and must train as the eager step does."""
@@ -438,7 +438,8 @@ def test_fitted_sources_train_the_same_through_the_compiler(name, monkeypatch):
 
     from creditlab.train import Trainer
 
-    overrides = ["model.vocab_size=97", f"credit.source={name}", "train.updates=5", "credit.teacher_every=2"]
+    overrides = ["model.vocab_size=97", f"credit.source={name}", "train.updates=5", "credit.teacher_every=2",
+                 f"credit.fit={fit}"]
     losses, params = {}, {}
     for compiled in (False, True):
         torch._dynamo.reset()

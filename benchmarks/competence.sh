@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The competence comparison of benchmarks/competence/: the seed model on pack:docs, 32,768 tokens per update
+# (micro-batch 16 x 2,048, no accumulation), 1,000 updates, DEV loss every 100 updates on a fixed subset.
+#
+#   benchmarks/competence.sh prepare DATA          prepare pack:docs into DATA (from the artifact/text cache)
+#   benchmarks/competence.sh warm DATA OUT         3 updates of every arm: fills the compiler's on-disk cache
+#   benchmarks/competence.sh run DATA OUT SEED     one seed of the comparison into OUT/seed<SEED>
+#   benchmarks/competence.sh merge OUT SEED...     one report from the seeds' folders into OUT/merged
+#
+# Each seed runs in its own process; within a seed all arms run interleaved in one process (compare.py). Any
+# CUDA machine; set CREDITLAB_CACHE to the folder holding the pack's cached artifacts or extracted text.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+ARMS=${ARMS:-native,zero,learned,learned@credit.fit=lstsq,dfa,dni,intermittent}
+UPDATES=${UPDATES:-1000}
+common() {
+  local data=$1
+  echo --preset seed --arms "$ARMS" --set data.source=shards --set "data.dir=$data" \
+    --set train.micro_batch=16 --set train.grad_accum=1 --set train.eval_every=100 \
+    --set train.eval_tokens=262144 --set compare.align_every=50 --no-progress
+}
+case "$1" in
+  prepare)
+    python3 -m creditlab.cli data prepare --source pack:docs --out "$2" --no-progress
+    python3 -m creditlab.cli data info "$2" ;;
+  warm)
+    # shellcheck disable=SC2046
+    python3 -m creditlab.cli compare $(common "$2") --set train.updates=3 --set train.eval_tokens=32768 \
+      --out "$3/warm" ;;
+  run)
+    # shellcheck disable=SC2046
+    python3 -m creditlab.cli compare $(common "$2") --set "train.updates=$UPDATES" --seeds "$4" \
+      --out "$3/seed$4" ;;
+  merge)
+    out=$2; shift 2
+    python3 -m creditlab.cli compare --merge $(for s in "$@"; do echo "$out/seed$s"; done) --out "$out/merged" ;;
+  *) echo "usage: $0 prepare DATA | warm DATA OUT | run DATA OUT SEED | merge OUT SEED..." >&2; exit 2 ;;
+esac
