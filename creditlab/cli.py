@@ -319,6 +319,9 @@ def _extensions():
     from creditlab.protocol.cli import add_commands as protocol_commands  # admit, screen
 
     registers.append(protocol_commands)
+    from creditlab.ceiling import add_commands as ceiling_commands  # ceiling
+
+    registers.append(ceiling_commands)
     return registers
 
 
