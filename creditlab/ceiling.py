@@ -69,13 +69,14 @@ class Recorded:
 
 
 def record_batch(model: GPT, inputs: torch.Tensor, targets: torch.Tensor, autocast=None,
-                 loss_chunk: int = 8_192) -> Recorded:
-    """One exact forward and torch.autograd.grad w.r.t. x_L and the omitted products' inputs: no parameter's
-    .grad is touched, so the model state being measured stays as it was."""
+                 loss_chunk: int = 8_192, corrections: bool = True) -> Recorded:
+    """One exact forward and torch.autograd.grad w.r.t. x_L and the omitted products' inputs (or x_L alone,
+    without `corrections`: the backward then stops at the tap): no parameter's .grad is touched, so the model
+    state being measured stays as it was."""
     tap = _StateCredit()
     with autocast if autocast is not None else contextlib.nullcontext():
         loss = model(inputs, targets, credit=tap, loss_chunk=loss_chunk)
-    e, *corrections = torch.autograd.grad(loss, [tap.x_terminal, *tap.inputs])
+    e, *corrections = torch.autograd.grad(loss, [tap.x_terminal, *(tap.inputs if corrections else [])])
     return Recorded(e.detach(), tap.x_terminal.detach(), tap.states, [c.detach() for c in corrections])
 
 
@@ -92,15 +93,16 @@ class CodeFamily:
     def size(self) -> int:
         return 2 * self.predictor.rank
 
-    @torch.no_grad()
-    def features(self, rec: Recorded) -> list[torch.Tensor]:
-        """Per branch (N, 2r) in float64; the ungated family hands every branch the same tensor."""
+    def features(self, rec: Recorded):
+        """b -> branch b's features (N, 2r) in float64, made when asked: at the seed shape all 16 at once would
+        be gigabytes. The shared code is computed once; without gates every branch gets the same tensor."""
         p = self.predictor
         a, a_rev = p.mean_weights(rec.x_terminal.double())
         code = p.code(rec.e.double(), a, a_rev)  # (B, T, 2r)
         if not self.gated:
-            return [code.flatten(0, 1)] * len(rec.states)
-        return [(p.gate(b, n.double()) * code).flatten(0, 1) for b, n in enumerate(rec.states)]
+            shared = code.flatten(0, 1)
+            return lambda b: shared
+        return lambda b: (p.gate(b, rec.states[b].double()) * code).flatten(0, 1)
 
 
 class FullFamily:
@@ -111,8 +113,9 @@ class FullFamily:
     def __init__(self, width: int):
         self.size = width
 
-    def features(self, rec: Recorded) -> list[torch.Tensor]:
-        return [rec.e.double().flatten(0, 1)] * len(rec.states)
+    def features(self, rec: Recorded):
+        shared = rec.e.double().flatten(0, 1)
+        return lambda b: shared
 
 
 def principal_projection(second_moment: torch.Tensor, rank: int) -> torch.Tensor:
@@ -135,7 +138,7 @@ def initialized_predictor(model: ModelConfig, rank: int, seed: int, projection: 
         predictor = Predictor(model, rank).double()
     with torch.no_grad():
         predictor.projection.copy_(projection)
-    return predictor.to(projection.device)
+    return predictor.to(projection.device).requires_grad_(False)  # measured, never trained here
 
 
 def build_families(model: ModelConfig, credit: CreditConfig, seed: int, second_moment: torch.Tensor,
@@ -150,7 +153,7 @@ def build_families(model: ModelConfig, credit: CreditConfig, seed: int, second_m
         "full": FullFamily(d),
     }
     if trained is not None:
-        own = copy.deepcopy(trained).double().to(second_moment.device)
+        own = copy.deepcopy(trained).double().to(second_moment.device).requires_grad_(False)
         families["trained"] = CodeFamily(own, decoders=own.decoders.detach())
         families["trained_refit"] = CodeFamily(own)
     return families
@@ -171,15 +174,14 @@ class Moments:
         return cls(torch.zeros(branches, size, size, **z), torch.zeros(branches, width, size, **z),
                    torch.zeros(branches, **z))
 
-    def add(self, features: list[torch.Tensor], corrections: list[torch.Tensor]) -> None:
-        grams: dict[int, torch.Tensor] = {}  # shared features: one Gram for all branches
-        for b, (f, c) in enumerate(zip(features, corrections)):
-            if id(f) not in grams:
-                grams[id(f)] = f.t() @ f
-            c = c.double().flatten(0, 1)  # (N, d)
-            self.gram[b] += grams[id(f)]
-            self.cross[b] += c.t() @ f
-            self.true_sq[b] += c.square().sum()
+    def add(self, b: int, features: torch.Tensor, correction: torch.Tensor, grams: dict) -> None:
+        """Branch b's features (N, k) against its correction (N, d) in float64; `grams` caches the Gram of
+        features shared by all branches (keyed by the tensor), so it is formed once per batch."""
+        if id(features) not in grams:
+            grams[id(features)] = (features, features.t() @ features)  # the tensor kept: its id stays unique
+        self.gram[b] += grams[id(features)][1]
+        self.cross[b] += correction.t() @ features
+        self.true_sq[b] += correction.square().sum()
 
 
 def ridge_solutions(m: Moments, ridges) -> torch.Tensor:
@@ -256,24 +258,29 @@ def ceiling(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]], credit
 
     Two passes: the seed families' P needs e's second moment over all fit batches before any of their features
     exist, and keeping the batches' (B, T, d) errors instead would grow memory with K. The first pass costs
-    K-1 more exact forward and backward passes; only the token ids are kept between passes."""
+    K-1 more forward passes and head backwards (it stops at the tap); only the token ids are kept between."""
     if len(batches) < 2:
         raise config_mod.ConfigError("the ceiling needs at least 2 micro-batches (fit on K-1, score on 1)")
-    record = lambda inputs, targets: record_batch(model, inputs, targets, autocast, loss_chunk)  # noqa: E731
+    record = lambda *batch, **kw: record_batch(model, *batch, autocast, loss_chunk, **kw)  # noqa: E731
     d, branches = model.cfg.width, model.cfg.branches
     device = batches[0][0].device
     second = torch.zeros(d, d, dtype=torch.float64, device=device)  # sum over fit tokens of e e^T
     for inputs, targets in batches[:-1]:
-        e = record(inputs, targets).e.double().flatten(0, 1)
+        e = record(inputs, targets, corrections=False).e.double().flatten(0, 1)
         second += e.t() @ e
     families = build_families(model.cfg, credit, seed, second, trained)
     moments = {name: [Moments.zeros(branches, d, fam.size, device) for _ in range(2)]  # [fit, held-out]
                for name, fam in families.items()}
     for i, (inputs, targets) in enumerate(batches):
         rec = record(inputs, targets)
-        for name, fam in families.items():
-            moments[name][i == len(batches) - 1].add(fam.features(rec), rec.corrections)
-        del rec
+        held = i == len(batches) - 1
+        features = {name: fam.features(rec) for name, fam in families.items()}
+        grams: dict = {}
+        for b in range(branches):  # branch-outer: one float64 correction and one branch's features at a time
+            c = rec.corrections[b].double().flatten(0, 1)  # (N, d)
+            for name, of_branch in features.items():
+                moments[name][held].add(b, of_branch(b), c, grams)
+        del rec, features, grams
     fits = {name: fit_family(*moments[name], ridges, fixed=families[name].decoders) for name in families}
     return Ceiling(families, fits, model.branch_names())
 
