@@ -302,7 +302,7 @@ def to_json(result: Ceiling) -> dict:
     for name, f in result.fits.items():
         rows = [{"branch": branch, "in_cosine": _number(f.in_cosine[b]), "in_error": _number(f.in_error[b]),
                  "heldout_cosine": _number(f.heldout_cosine[b]), "heldout_error": _number(f.heldout_error[b]),
-                 "ridge": _number(f.ridge[b])}
+                 "ridge": _number(f.ridge[b]) if f.signal[b] else None}
                 for b, branch in enumerate(result.branch_names)]
         families[name] = family_summary(f) | {"features": int(f.decoders.shape[-1]), "branches": rows}
     return {"families": families, "state": result.state}
@@ -369,11 +369,12 @@ def model_state(args):
 def measure(args) -> Ceiling:
     trainer, trained, state = model_state(args)
     cfg = trainer.cfg
+    position = trainer.loader.state_dict().get("position")  # the first measured micro-batch of TRAIN
     batches = [trainer._batch() for _ in range(args.batches)]  # noqa: SLF001 - the trainer's own data path
     result = ceiling(trainer.model, batches, cfg.credit, cfg.train.seed, trained, trainer.runtime.autocast(),
                      cfg.train.loss_chunk)
     B, T = batches[0][0].shape
-    result.state = state | {"batches": args.batches, "fit_batches": args.batches - 1, "tokens": args.batches * B * T,
+    result.state = state | {"batches": args.batches, "data_position": position, "fit_batches": args.batches - 1, "tokens": args.batches * B * T,
                             "rank": cfg.credit.rank, "ridges": list(RIDGES), "device": str(trainer.runtime.device)}
     return result
 
@@ -389,7 +390,8 @@ def table(report: dict) -> list[str]:
     s = report["state"]
     where = s["run"] or f"{s['updates']} native updates from {s['preset']}"
     lines = [f"fit ceiling at update {s['update']} ({where}); fit on {s['fit_batches']} micro-batches, "
-             f"scored on 1 ({s['tokens']:,} tokens); normalized error |pred-c|^2/|c|^2, cosine",
+             f"scored on 1 ({s['tokens']:,} tokens); normalized error |pred-c|^2/|c|^2, cosine; "
+             f"means over branches with a non-zero correction (-: none)",
              f"{'family':<14} {'features':>8} {'held cos':>8} {'held err':>8} {'in cos':>8} {'in err':>8}"]
     for name, f in fams.items():
         lines.append(f"{name:<14} {f['features']:>8} {_cell(f['heldout_cosine'])} {_cell(f['heldout_error'])} "
