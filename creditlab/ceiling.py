@@ -69,14 +69,14 @@ class Recorded:
 
 
 def record_batch(model: GPT, inputs: torch.Tensor, targets: torch.Tensor, autocast=None,
-                 loss_chunk: int = 8_192, corrections: bool = True) -> Recorded:
+                 loss_chunk: int = 8_192, with_corrections: bool = True) -> Recorded:
     """One exact forward and torch.autograd.grad w.r.t. x_L and the omitted products' inputs (or x_L alone,
-    without `corrections`: the backward then stops at the tap): no parameter's .grad is touched, so the model
+    without `with_corrections`: the backward then stops at the tap): no parameter's .grad is touched, so the model
     state being measured stays as it was."""
     tap = _StateCredit()
     with autocast if autocast is not None else contextlib.nullcontext():
         loss = model(inputs, targets, credit=tap, loss_chunk=loss_chunk)
-    e, *corrections = torch.autograd.grad(loss, [tap.x_terminal, *(tap.inputs if corrections else [])])
+    e, *corrections = torch.autograd.grad(loss, [tap.x_terminal, *(tap.inputs if with_corrections else [])])
     return Recorded(e.detach(), tap.x_terminal.detach(), tap.states, [c.detach() for c in corrections])
 
 
@@ -87,6 +87,7 @@ class CodeFamily:
 
     def __init__(self, predictor: Predictor, gated: bool = True, decoders: torch.Tensor | None = None):
         self.predictor, self.gated = predictor, gated
+        self.shared = not gated  # every branch sees the same features
         self.decoders = decoders  # (branches, d, 2r) fixed decoders, or None: fitted by least squares
 
     @property
@@ -108,7 +109,7 @@ class CodeFamily:
 class FullFamily:
     """Features e_t (N, d): the best map of the token's own terminal error, state-independent."""
 
-    decoders = None
+    decoders, shared = None, True
 
     def __init__(self, width: int):
         self.size = width
@@ -174,12 +175,10 @@ class Moments:
         return cls(torch.zeros(branches, size, size, **z), torch.zeros(branches, width, size, **z),
                    torch.zeros(branches, **z))
 
-    def add(self, b: int, features: torch.Tensor, correction: torch.Tensor, grams: dict) -> None:
-        """Branch b's features (N, k) against its correction (N, d) in float64; `grams` caches the Gram of
-        features shared by all branches (keyed by the tensor), so it is formed once per batch."""
-        if id(features) not in grams:
-            grams[id(features)] = (features, features.t() @ features)  # the tensor kept: its id stays unique
-        self.gram[b] += grams[id(features)][1]
+    def add(self, b: int, features: torch.Tensor, correction: torch.Tensor, gram: torch.Tensor | None = None):
+        """Branch b's features (N, k) against its correction (N, d), float64; `gram`: features^T features when
+        the caller has it (features shared by all branches: formed once per batch)."""
+        self.gram[b] += features.t() @ features if gram is None else gram
         self.cross[b] += correction.t() @ features
         self.true_sq[b] += correction.square().sum()
 
@@ -266,7 +265,7 @@ def ceiling(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]], credit
     device = batches[0][0].device
     second = torch.zeros(d, d, dtype=torch.float64, device=device)  # sum over fit tokens of e e^T
     for inputs, targets in batches[:-1]:
-        e = record(inputs, targets, corrections=False).e.double().flatten(0, 1)
+        e = record(inputs, targets, with_corrections=False).e.double().flatten(0, 1)
         second += e.t() @ e
     families = build_families(model.cfg, credit, seed, second, trained)
     moments = {name: [Moments.zeros(branches, d, fam.size, device) for _ in range(2)]  # [fit, held-out]
@@ -275,11 +274,14 @@ def ceiling(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]], credit
         rec = record(inputs, targets)
         held = i == len(batches) - 1
         features = {name: fam.features(rec) for name, fam in families.items()}
-        grams: dict = {}
+        grams: dict = {}  # name -> the Gram of a family whose features all branches share
         for b in range(branches):  # branch-outer: one float64 correction and one branch's features at a time
             c = rec.corrections[b].double().flatten(0, 1)  # (N, d)
             for name, of_branch in features.items():
-                moments[name][held].add(b, of_branch(b), c, grams)
+                f = of_branch(b)
+                if families[name].shared and name not in grams:
+                    grams[name] = f.t() @ f
+                moments[name][held].add(b, f, c, grams.get(name))
         del rec, features, grams
     fits = {name: fit_family(*moments[name], ridges, fixed=families[name].decoders) for name in families}
     return Ceiling(families, fits, model.branch_names())
