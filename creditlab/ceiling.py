@@ -376,8 +376,9 @@ def measure(args) -> Ceiling:
     result = ceiling(trainer.model, batches, cfg.credit, cfg.train.seed, trained, trainer.runtime.autocast(),
                      cfg.train.loss_chunk)
     B, T = batches[0][0].shape
-    result.state = state | {"batches": args.batches, "data_position": position, "fit_batches": args.batches - 1, "tokens": args.batches * B * T,
-                            "rank": cfg.credit.rank, "ridges": list(RIDGES), "device": str(trainer.runtime.device)}
+    result.state = state | {"batches": args.batches, "fit_batches": args.batches - 1, "tokens": args.batches * B * T,
+                            "data_position": position, "rank": cfg.credit.rank, "ridges": list(RIDGES),
+                            "device": str(trainer.runtime.device)}
     return result
 
 
