@@ -32,14 +32,16 @@ def _squash(text: str) -> str:
 # Elements dropped with everything inside them: code, tables, page furniture, forms, embedded media.
 _SKIP_TAGS = frozenset({"script", "style", "nav", "header", "footer", "pre", "table", "form", "button",
                         "select", "textarea", "svg", "math", "head", "noscript", "iframe", "object", "map",
-                        "aside", "menu", "samp", "kbd"})
-# class/id/role words of navigation and boilerplate in Sphinx, Javadoc, DocBook, Doxygen and rustdoc pages.
-_SKIP_CLASS = re.compile(r"(?:^|[\s_-])(?:related|sphinxsidebar\w*|sidebar|footer|header|headerlink|navigation|"
-                         r"navheader|navfooter|nav|navbar|breadcrumbs?|toc|toctree-wrapper|search\w*|"
-                         r"highlight|highlight-\w+|doctest|literal-block|code|codehilite|programlisting|"
-                         r"screen|synopsis|cmdsynopsis|funcsynopsis|skip-nav|subNav|topNav|bottomNav|"
-                         r"copyright|legalnotice|menu|tabs?|admonition-title|linenos|"
-                         r"sig|sig-object|signature|member-signature|footnote-backref)(?:$|[\s_-])", re.I)
+                        "aside", "menu"})
+# class/id/role values of navigation, boilerplate and code in Sphinx, Javadoc, DocBook, texinfo, Doxygen and
+# rustdoc pages, matched as whole values (a class "wy-nav-content-wrap" holds the page itself).
+_SKIP_CLASSES = frozenset("""related sphinxsidebar sphinxsidebarwrapper sidebar footer header headerlink navigation
+navheader navfooter nav navbar breadcrumb breadcrumbs wy-breadcrumbs wy-nav-side wy-nav-top rst-footer-buttons
+rst-versions toc toctree-wrapper search searchbox doctest literal-block codehilite programlisting screen
+synopsis cmdsynopsis funcsynopsis skip-nav subNav topNav bottomNav sub-nav top-nav copyright legalnotice
+menu linenos footnote-backref sig sig-object member-signature example lisp verbatim smallexample sourceCode
+example-wrap banner contentinfo""".split())
+_SKIP_CLASS_PREFIX = re.compile(r"(?:highlight|sphinxsidebar|search)(?:$|-)")
 _BLOCK_TAGS = frozenset({"p", "div", "li", "dt", "dd", "blockquote", "section", "article", "main", "body",
                          "ul", "ol", "dl", "br", "hr", "figcaption", "caption", "center", "td", "th", "tr",
                          "h1", "h2", "h3", "h4", "h5", "h6", "title", "summary", "details", "address"})
@@ -69,8 +71,8 @@ class _HtmlText(HTMLParser):
             self._flush()
         if tag in _VOID:
             return
-        marks = " ".join(v for k, v in attrs if k in ("class", "id", "role") and v)
-        skip = tag in _SKIP_TAGS or bool(marks and _SKIP_CLASS.search(marks))
+        marks = [m for k, v in attrs if k in ("class", "id", "role") and v for m in v.split()]
+        skip = tag in _SKIP_TAGS or any(m in _SKIP_CLASSES or _SKIP_CLASS_PREFIX.match(m) for m in marks)
         if tag == "code" and any(k == "class" and v and "block" in v for k, v in attrs):
             skip = True
         self.stack.append((tag, skip))
@@ -234,7 +236,12 @@ def _pod_inline(text: str) -> str:
         if code in ("X", "Z"):
             return ""
         if code == "E":
-            return _POD_ENTITIES.get(body, chr(int(body, 0)) if body.isdigit() else "")
+            if body in _POD_ENTITIES:
+                return _POD_ENTITIES[body]
+            try:  # E<0x201E>, E<075> (octal), E<233>
+                return chr(int(body, 16 if body.lower().startswith("0x") else 8 if body.startswith("0") else 10))
+            except ValueError:
+                return ""
         if code == "L":
             label, bar, target = body.partition("|")
             return label if bar else re.sub(r'^"|"$', "", target.split("/")[-1]) or body
