@@ -153,9 +153,14 @@ def ensure_text(cache: Path, log: Callable[[str], None], workers: int = 2) -> li
     bar = _progress(len(jobs), "extracting", "artifact")
     # Largest first, so two workers finish together; the results do not depend on the order.
     jobs.sort(key=lambda j: -Path(j[2]).stat().st_size)
-    with ProcessPoolExecutor(max_workers=max(1, workers)) as pool:
-        for _ in pool.map(_extract_to_cache, jobs):
+    if workers <= 1:
+        for job in jobs:
+            _extract_to_cache(job)
             bar.update(1)
+    else:
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            for _ in pool.map(_extract_to_cache, jobs):
+                bar.update(1)
     bar.close()
     return parts
 

@@ -197,7 +197,7 @@ def roff_blocks(text: str) -> list[Block]:
 def info_blocks(text: str) -> list[Block]:
     """Info nodes: node headers, menus, the tag table and indented examples are dropped."""
     blocks: list[Block] = []
-    for node in text.split("\x1f"):
+    for node in text.split("\x1f")[1:]:  # before the first node: the "produced by makeinfo" preamble
         node = node.lstrip("\n")
         if node.startswith(("Tag Table:", "End Tag Table", "Indirect:", "Local Variables")):
             continue
@@ -243,8 +243,12 @@ def _pod_inline(text: str) -> str:
             except ValueError:
                 return ""
         if code == "L":
-            label, bar, target = body.partition("|")
-            return label if bar else re.sub(r'^"|"$', "", target.split("/")[-1]) or body
+            label, bar, _ = body.partition("|")
+            if bar:
+                return label
+            name, _, section = body.partition("/")  # L<perlfunc/open> reads "open in perlfunc", as perldoc says
+            section = section.strip('"')
+            return f"{section} in {name}" if name and section else section or name
         return body
 
     for _ in range(8):  # codes nest (B<C<x>>): resolve innermost first until none are left
