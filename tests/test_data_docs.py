@@ -39,6 +39,9 @@ GERMAN = ("<html><body><h1>Anleitung</h1><p>Die Konfiguration des Servers wird i
 
 MAN = r""".\" a comment
 .TH FAKE 1
+.de Vx
+MACRO_BODY_LINE \\$1
+..
 .SH NAME
 fake \- a program that does nothing useful
 .SH DESCRIPTION
@@ -161,7 +164,7 @@ def test_extraction_keeps_prose_and_drops_code_tables_furniture_and_translations
         "You can use the open() function to read the file that holds the data."]
     man = by_id["fakedoc/man/man1/fake.1"]
     assert man.startswith("NAME\n\nfake - a program that does nothing useful\n\nDESCRIPTION\n\nfake reads")
-    assert "a short report to the standard output" in man and "EXAMPLE_BLOCK_LINE" not in man
+    assert "a short report to the standard output" in man and "EXAMPLE_BLOCK_LINE" not in man and "MACRO_BODY" not in man
     info = by_id["fakedoc/info/fake.info"]
     assert info.startswith("Fake manual\n\nThis manual describes") and "INFO_EXAMPLE" not in info
     assert "Menu" not in info and "Tag Table" not in info and "1 Intro\n\nThe introduction" in info

@@ -121,8 +121,10 @@ _ROFF_FONT_MACROS = {"B", "I", "R", "SM", "SB", "BR", "RB", "IR", "RI", "BI", "I
                      "Fl", "Cm", "Em", "Sy", "Pa", "Li", "Xr", "Va", "Fn", "Ev", "Dv", "Er", "Ic"}
 _ROFF_BREAK_MACROS = {"PP", "LP", "P", "TP", "IP", "HP", "sp", "br", "RS", "RE", "TQ", "Pp", "Bl", "El", "It",
                       "Bd", "Ed", "ne", "in", "ti"}
-_ROFF_CODE_BLOCKS = {"nf": "fi", "EX": "EE", "TS": "TE", "EQ": "EN", "PS": "PE", "de": "..", "ig": "..",
-                     "am": "..", "Bd": "Ed"}
+# Blocks dropped whole, by the request that ends them: examples and verbatim text (.nf, .EX, pod2man's .Vb,
+# Tcl's .CS code excerpts and .DS displays), tables, equations, pictures, and macro definitions (ended by "..").
+_ROFF_CODE_BLOCKS = {"nf": "fi", "EX": "EE", "Vb": "Ve", "CS": "CE", "DS": "DE", "TS": "TE", "EQ": "EN",
+                     "PS": "PE", "de": ".", "de1": ".", "ig": ".", "am": ".", "Bd": "Ed"}
 
 
 def _roff_unescape(text: str) -> str:
