@@ -35,7 +35,7 @@ _SKIP_TAGS = frozenset({"script", "style", "nav", "header", "footer", "pre", "ta
                         "aside", "menu"})
 # class/id/role values of navigation, boilerplate and code in Sphinx, Javadoc, DocBook, texinfo, Doxygen and
 # rustdoc pages, matched as whole values (a class "wy-nav-content-wrap" holds the page itself).
-_SKIP_CLASSES = frozenset("""related sphinxsidebar sphinxsidebarwrapper sidebar footer header headerlink navigation
+_SKIP_CLASSES = frozenset("""related sphinxsidebar sphinxsidebarwrapper sidebar footer headerlink navigationbar navigation
 navheader navfooter nav navbar breadcrumb breadcrumbs wy-breadcrumbs wy-nav-side wy-nav-top rst-footer-buttons
 rst-versions toc toctree-wrapper search searchbox doctest literal-block codehilite programlisting screen
 synopsis cmdsynopsis funcsynopsis skip-nav subNav topNav bottomNav sub-nav top-nav copyright legalnotice
