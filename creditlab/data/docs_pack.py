@@ -201,11 +201,13 @@ def build(cache: Path | None = None, log: Callable[[str], None] = print, workers
             documents.append(Document(chunk_id(page.id, k), text, page.group))
             figures[i]["chunks"] += 1
             figures[i]["bytes"] += len(text.encode())
+    prefixes: list[set[str]] = [set() for _ in parts]
+    for page, i in zip(pages, owner):
+        prefixes[i].add(page.id.split("/")[0])
     licences, artifacts = [], []
-    for p, fig in zip(parts, figures):
-        prefixes = sorted({d.id.split("/")[0] for d, i in zip(pages, owner) if parts[i] is p})
+    for p, fig, origins in zip(parts, figures, prefixes):
         licences.append({"name": p["name"], "licence": p["licence"], "artifact": p["requirement"],
-                         "documents": fig["chunks"], "id_prefixes": prefixes})
+                         "documents": fig["chunks"], "id_prefixes": sorted(origins)})
         artifact_path = cache / p["file"]
         artifacts.append({"requirement": p["requirement"], "file": p["file"],
                           "bytes": p.get("size") or (artifact_path.stat().st_size if artifact_path.exists() else None),
