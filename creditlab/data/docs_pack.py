@@ -30,7 +30,7 @@ from creditlab.data.packs import PROSE_PARTS, Pack, _decode
 from creditlab.data.prose import Tally, page_text
 from creditlab.data.textify import CONVERTERS
 
-EXTRACTOR_VERSION = 2  # bump when a converter or filter changes: cached extractions are then rebuilt
+EXTRACTOR_VERSION = 3  # bump when a converter or filter changes: cached extractions are then rebuilt
 
 # Sphinx and friends: sources, indexes and search pages repeat or list what the pages say.
 _FURNITURE = re.compile(r"/(?:_sources|_static|_modules|_images|_downloads|_sphinx_design_static)/"

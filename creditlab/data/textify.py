@@ -33,14 +33,16 @@ def _squash(text: str) -> str:
 _SKIP_TAGS = frozenset({"script", "style", "nav", "header", "footer", "pre", "table", "form", "button",
                         "select", "textarea", "svg", "math", "head", "noscript", "iframe", "object", "map",
                         "aside", "menu"})
-# class/id/role values of navigation, boilerplate and code in Sphinx, Javadoc, DocBook, texinfo, Doxygen and
+# class/id/role values of navigation, boilerplate, code and summary tables (Javadoc lists each member
+# twice: once in a summary, once in its details) in Sphinx, Javadoc, DocBook, texinfo, Doxygen and
 # rustdoc pages, matched as whole values (a class "wy-nav-content-wrap" holds the page itself).
 _SKIP_CLASSES = frozenset("""related sphinxsidebar sphinxsidebarwrapper sidebar footer headerlink navigationbar navigation
 navheader navfooter nav navbar breadcrumb breadcrumbs wy-breadcrumbs wy-nav-side wy-nav-top rst-footer-buttons
 rst-versions toc toctree-wrapper search searchbox doctest literal-block codehilite programlisting screen
 synopsis cmdsynopsis funcsynopsis skip-nav subNav topNav bottomNav sub-nav top-nav copyright legalnotice
 menu linenos footnote-backref sig sig-object member-signature example lisp verbatim smallexample sourceCode
-example-wrap banner contentinfo""".split())
+example-wrap banner contentinfo summary-table method-summary field-summary constructor-summary
+nested-class-summary enum-constant-summary inherited-list memberSummary""".split())
 _SKIP_CLASS_PREFIX = re.compile(r"(?:highlight|sphinxsidebar|search)(?:$|-)")
 _BLOCK_TAGS = frozenset({"p", "div", "li", "dt", "dd", "blockquote", "section", "article", "main", "body",
                          "ul", "ol", "dl", "br", "hr", "figcaption", "caption", "center", "td", "th", "tr",
