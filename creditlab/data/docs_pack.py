@@ -6,6 +6,9 @@ second build, or a build on a machine without the .debs, reads only the cache. T
 the table's order: exact and near duplicates are dropped (dedup.py, the earlier copy kept), and each page is
 cut into chunks of at most 16 KiB (chunks.py), which are the pack's documents. A chunk's id is
 `<package>/<path under the package's doc root>#<k>`, so its first `/` component names its origin.
+
+Built from the .debs (about 940 MB from 95 packages) on two cores this takes about ten minutes; from the
+extracted-text cache (about 45 MB of .jsonl.xz) about a minute, most of it deduplication.
 """
 
 from __future__ import annotations

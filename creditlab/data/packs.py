@@ -149,7 +149,7 @@ def prose(cache: Path | None = None, log: Callable[[str], None] = print) -> Pack
 
 
 def docs(cache: Path | None = None, log: Callable[[str], None] = print) -> Pack:
-    """pack:docs (about 60M tokens of Debian documentation prose plus pack:prose's texts); see docs_pack.py."""
+    """pack:docs: about 230 MB (55M BPE tokens) of Debian documentation prose and pack:prose; see docs_pack.py."""
     from creditlab.data.docs_pack import build  # imported here: docs_pack builds on this module
 
     return build(cache, log)
