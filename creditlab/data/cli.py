@@ -21,6 +21,7 @@ from creditlab.data.tokenizer import KINDS, TokenizerError
 _USER_ERRORS = (PrepareError, NotPreparedError, SourceError, ArtifactError, TokenizerError, ShardError)
 
 _SOURCE_HELP = (f"pack:prose (default: Shakespeare, Milton, the KJV Bible, Wikipedia leads; ~15 MB), "
+                f"pack:docs (Debian documentation prose plus pack:prose; about 200 MB, needs apt-get or its text cache), "
                 f"dir:PATH[::GLOBS] (default glob {DEFAULT_DIR_GLOB}), jsonl:PATH, parquet:PATH, hf:NAME[::SPLIT]")
 
 

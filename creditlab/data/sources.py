@@ -1,6 +1,6 @@
 """Source specs -> documents. A spec is `scheme:argument`:
 
-    pack:NAME                 a built-in pack (pack:prose, the default)
+    pack:NAME                 a built-in pack (pack:prose, the default; pack:docs, Debian documentation prose)
     dir:PATH[::GLOBS]         local files, one document per file; GLOBS is a comma-separated list of globs
                               relative to PATH, default `**/*.txt` (code is opt-in: `dir:src::**/*.py`);
                               hidden folders (.git, .venv) are skipped; the id is the relative path
