@@ -3,9 +3,11 @@
 # (micro-batch 16 x 2,048, no accumulation), 1,000 updates, DEV loss every 100 updates on a fixed subset.
 #
 #   benchmarks/competence.sh prepare DATA          prepare pack:docs into DATA (from the artifact/text cache)
+#   benchmarks/competence.sh admit DATA RUNS       admit the comparison's config (admissions under RUNS)
 #   benchmarks/competence.sh warm DATA OUT         3 updates of every arm: fills the compiler's on-disk cache
 #   benchmarks/competence.sh run DATA OUT SEED     one seed of the comparison into OUT/seed<SEED>
 #   benchmarks/competence.sh merge OUT SEED...     one report from the seeds' folders into OUT/merged
+#   benchmarks/competence.sh heldout OUT RUNS ID   FINAL_HELDOUT of every model of OUT/merged, in one read
 #
 # Each seed runs in its own process; within a seed all arms run interleaved in one process (compare.py). Any
 # CUDA machine; set CREDITLAB_CACHE to the folder holding the pack's cached artifacts or extracted text.
@@ -14,16 +16,23 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 ARMS=${ARMS:-native,zero,learned,learned@credit.fit=lstsq,dfa,dni,intermittent}
 UPDATES=${UPDATES:-1000}
-common() {
-  local data=$1
-  echo --preset seed --arms "$ARMS" --set data.source=shards --set "data.dir=$data" \
+settings() {
+  echo --preset seed --set data.source=shards --set "data.dir=$1" \
     --set train.micro_batch=16 --set train.grad_accum=1 --set train.eval_every=100 \
-    --set train.eval_tokens=262144 --set compare.align_every=50 --no-progress
+    --set train.eval_tokens=262144 --set compare.align_every=50
+}
+common() {
+  echo $(settings "$1") --arms "$ARMS" --no-progress
 }
 case "$1" in
   prepare)
     python3 -m creditlab.cli data prepare --source pack:docs --out "$2" --no-progress
     python3 -m creditlab.cli data info "$2" ;;
+  admit)
+    # shellcheck disable=SC2046
+    python3 -m creditlab.cli admit $(settings "$2") --set "train.updates=$UPDATES" --set "train.out_dir=$3" ;;
+  heldout)
+    python3 -m creditlab.cli heldout "$2/merged" --out-dir "$3" --admission "$4" ;;
   warm)
     # shellcheck disable=SC2046
     python3 -m creditlab.cli compare $(common "$2") --set train.updates=3 --set train.eval_tokens=32768 \
@@ -35,5 +44,6 @@ case "$1" in
   merge)
     out=$2; shift 2
     python3 -m creditlab.cli compare --merge $(for s in "$@"; do echo "$out/seed$s"; done) --out "$out/merged" ;;
-  *) echo "usage: $0 prepare DATA | warm DATA OUT | run DATA OUT SEED | merge OUT SEED..." >&2; exit 2 ;;
+  *) echo "usage: $0 prepare DATA | admit DATA RUNS | warm DATA OUT | run DATA OUT SEED | merge OUT SEED... |" \
+          "heldout OUT RUNS ID" >&2; exit 2 ;;
 esac
