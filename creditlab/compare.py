@@ -37,8 +37,13 @@ FORMAT = "creditlab-compare/1"
 
 
 def kind_medians(rows: list[dict]) -> dict[str, float]:
-    kinds = sorted({r["kind"] for r in rows})
-    return {k: statistics.median(r["seconds"] for r in rows if r["kind"] == k) for k in kinds}
+    """Median seconds per kind of update. A kind's first update pays for its compilation: it is left out when
+    the kind has three updates or more (with fewer, a short run's figures are dominated by it, and say so)."""
+    out = {}
+    for kind in sorted({r["kind"] for r in rows}):
+        seconds = [r["seconds"] for r in rows if r["kind"] == kind]
+        out[kind] = statistics.median(seconds[1:] if len(seconds) >= 3 else seconds)
+    return out
 
 
 def steady_seconds(rows: list[dict]) -> list[float]:
@@ -300,14 +305,13 @@ def verdicts(result: dict) -> list[str]:
     """Plain sentences: each arm against native at equal updates, and intermittent against its reference at
     equal GPU-seconds. A gap is called a difference only when it exceeds the seed spread of both arms."""
     summary, lines = result["summary"], []
-    seeds = len(result["seeds"])
 
     def judge(a: str, b: str, what: str) -> str:
         la, lb = summary[a]["dev_loss"], summary[b]["dev_loss"]
         diff = la["mean"] - lb["mean"]
         spread = max(la["spread"] or 0.0, lb["spread"] or 0.0)
         head = f"{a} vs {b} ({what}): DEV loss {la['mean']:.4f} vs {lb['mean']:.4f}, {diff:+.4f}"
-        if seeds < 2:
+        if min(len(la["values"]), len(lb["values"])) < 2:
             return head + "; one seed, so no seed spread: not assessable as a difference"
         if abs(diff) <= spread:
             return head + f"; within the seed spread ({spread:.4f}): no difference"
@@ -327,13 +331,13 @@ def verdicts(result: dict) -> list[str]:
 
 
 def merge(folders: list[Path], out: Path) -> dict:
-    """One comparison from several compare folders of the same arms and settings run at different seeds (in
-    separate processes: within a seed the arms still shared one process). The records stay where they are;
-    the merged compare.json names them."""
+    """One comparison from several compare folders of the same settings run at different seeds (in separate
+    processes: within a seed the arms still shared one process). A seed may have run a subset of the arms; an
+    arm with one seed has no spread. The records stay where they are; the merged compare.json names them."""
     results = [json.loads((Path(f) / "compare.json").read_text()) for f in folders]
     first = results[0]
     for f, r in zip(folders, results):
-        for key in ("preset", "overrides", "arms", "tokens_per_update", "eval"):
+        for key in ("preset", "overrides", "tokens_per_update", "eval"):
             if r[key] != first[key]:
                 raise config_mod.ConfigError(f"{f}: its {key} differs from {folders[0]}'s; only runs of one "
                                              "comparison at other seeds can be merged")
@@ -347,7 +351,9 @@ def merge(folders: list[Path], out: Path) -> dict:
                 runs.setdefault(label, {})[seed] = summary | {"record": str(Path(f) / summary["record"])}
         intermittent.update(r["intermittent"])
     out.mkdir(parents=True, exist_ok=False)
+    arms = {a["label"]: a for r in results for a in r["arms"]}  # a seed may have run a subset of the arms
     merged = first | {"seeds": sorted({int(s) for by_seed in runs.values() for s in by_seed}), "runs": runs,
+                      "arms": list(arms.values()),
                       "intermittent": intermittent, "summary": summarize(runs),
                       "merged_from": [str(f) for f in folders],
                       "wall_seconds": sum(r["wall_seconds"] for r in results)}

@@ -221,3 +221,29 @@ def test_merge_joins_seeds_run_in_separate_processes(corpus, tmp_path, capsys):
     assert cli.main(["compare", "--merge", str(tmp_path / "s1"), str(tmp_path / "s1"),
                      "--out", str(tmp_path / "again")]) == 2
     assert "in two of the folders" in capsys.readouterr().err
+
+
+def test_steady_seconds_leave_out_each_kinds_first_update():
+    from creditlab.compare import kind_medians
+    rows = [{"kind": "teacher", "seconds": 40.0}, {"kind": "synthetic", "seconds": 15.0}] + \
+        [{"kind": k, "seconds": s} for k, s in [("synthetic", 0.04), ("synthetic", 0.05), ("teacher", 0.06),
+                                                 ("teacher", 0.07)]]
+    assert kind_medians(rows) == {"synthetic": 0.045, "teacher": 0.065}  # compilation (40 s, 15 s) left out
+    assert kind_medians(rows[:3]) == {"teacher": 40.0, "synthetic": pytest.approx(7.52)}  # too few to leave out
+
+
+def test_a_gap_is_judged_against_the_spread_only_with_two_seeds_of_both_arms():
+    from creditlab.compare import summarize, verdicts
+    runs = {"native": {1: {"dev_loss": 2.80}, 2: {"dev_loss": 2.76}},
+            "zero": {1: {"dev_loss": 3.27}, 2: {"dev_loss": 3.34}},
+            "learned": {1: {"dev_loss": 2.79}, 2: {"dev_loss": 2.80}},
+            "dfa": {1: {"dev_loss": 3.29}}}
+    for by_seed in runs.values():
+        for s in by_seed.values():
+            s.update({k: 0.0 for k in ("dev_bits_per_byte", "train_loss_last10pct", "seconds_per_update",
+                                       "gpu_seconds", "peak_allocated_mib", "updates")})
+    lines = verdicts({"summary": summarize(runs), "intermittent": {}})
+    said = {line.split(" vs ")[0]: line for line in lines}
+    assert "beyond the seed spread" in said["zero"] and "zero is worse" in said["zero"]
+    assert "within the seed spread (0.0400)" in said["learned"]
+    assert "not assessable" in said["dfa"]
