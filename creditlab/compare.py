@@ -321,6 +321,10 @@ def verdicts(result: dict) -> list[str]:
         for label in summary:
             if label != "native" and not label.startswith("intermittent"):
                 lines.append(judge(label, "native", "equal updates"))
+    if "zero" in summary:  # the floor every source must beat
+        for label in summary:
+            if label not in ("native", "zero") and not label.startswith(("intermittent", "oracle")):
+                lines.append(judge(label, "zero", "equal updates"))
     ref = result.get("intermittent", {})
     if ref:
         reference = next(iter(ref.values()))["reference"]
