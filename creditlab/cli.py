@@ -1,7 +1,7 @@
 """The one entry point: `creditlab <command>`.
 
-Commands: data, flops, check, admit, screen, train, compare, heldout, report, demo. Every command that builds a model takes
-`--preset NAME` and repeatable `--set section.key=value`.
+Commands: data, flops, check, admit, screen, train, compare, heldout, ceiling, report, demo. Every command that
+builds a model takes `--preset NAME` and repeatable `--set section.key=value`.
 """
 
 from __future__ import annotations
