@@ -33,7 +33,7 @@ import torch
 from creditlab import config as config_mod
 from creditlab.config import Config, CreditConfig, ModelConfig
 from creditlab.credit.predictor import LearnedSource, Predictor
-from creditlab.credit.sources import BranchInputCredit
+from creditlab.credit.sources import TerminalTapCredit
 from creditlab.model import GPT
 
 RIDGES = (0.0, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)  # relative to the Gram's mean diagonal
@@ -41,23 +41,6 @@ FAMILIES = ("seed", "seed_nogate", "seed_rank4x", "full", "trained", "trained_re
 
 
 # ---- recording one micro-batch -----------------------------------------------------------------------------
-
-class _StateCredit(BranchInputCredit):
-    """Exact backprop keeping the branch inputs n_b (for gates), the omitted products' inputs and x_L."""
-
-    def __init__(self):
-        super().__init__()
-        self.states: list[torch.Tensor] = []
-        self.x_terminal = None
-
-    def branch(self, index, n):
-        self.states.append(n.detach())
-        return super().branch(index, n)
-
-    def terminal(self, x):
-        self.x_terminal = x
-        return x
-
 
 @dataclass
 class Recorded:
@@ -73,7 +56,7 @@ def record_batch(model: GPT, inputs: torch.Tensor, targets: torch.Tensor, autoca
     """One exact forward and torch.autograd.grad w.r.t. x_L and the omitted products' inputs (or x_L alone,
     without `with_corrections`: the backward then stops at the tap): no parameter's .grad is touched, so the model
     state being measured stays as it was."""
-    tap = _StateCredit()
+    tap = TerminalTapCredit()
     with autocast if autocast is not None else contextlib.nullcontext():
         loss = model(inputs, targets, credit=tap, loss_chunk=loss_chunk)
     e, *corrections = torch.autograd.grad(loss, [tap.x_terminal, *(tap.inputs if with_corrections else [])])

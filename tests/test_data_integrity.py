@@ -8,7 +8,6 @@ import json
 import os
 import random
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from creditlab.data.prepare import (MANIFEST, NO_ORIGIN, RUN_RECORD, _byte_batch
                                     origin_of)
 from creditlab.data.splits import split_of
 from creditlab.data.tokenizer import Tokenizer
-from tiny_corpus import VOCAB, quiet_prepare, write_corpus
+from tiny_corpus import VOCAB, private_copy, quiet_prepare, write_corpus
 
 
 def file_bytes(folder: Path) -> dict[str, bytes]:
@@ -204,9 +203,7 @@ def prepared_once(corpus, tmp_path_factory) -> Path:
 
 @pytest.fixture
 def prepared(prepared_once, tmp_path) -> Path:
-    out = tmp_path / "data"
-    shutil.copytree(prepared_once, out)
-    return out
+    return private_copy(prepared_once, tmp_path)
 
 
 def age(folder: Path, seconds: float = 3600) -> None:

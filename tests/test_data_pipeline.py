@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +17,7 @@ from creditlab.data import cli as data_cli
 from creditlab.data.ledger import LEDGER, entries, split_tokens
 from creditlab.data.splits import SPLITS, split_of
 from creditlab.data.tokenizer import load as load_tokenizer
-from tiny_corpus import VOCAB, quiet_prepare, write_corpus
+from tiny_corpus import VOCAB, private_copy, quiet_prepare, write_corpus
 
 SEQ = 16
 
@@ -38,10 +37,7 @@ def prepared_once(corpus, tmp_path_factory) -> Path:
 
 @pytest.fixture
 def prepared(prepared_once, tmp_path) -> Path:
-    """A private copy, so ledger writes of one test never reach another."""
-    out = tmp_path / "data"
-    shutil.copytree(prepared_once, out)
-    return out
+    return private_copy(prepared_once, tmp_path)
 
 
 def stream(data_dir: Path, split: str) -> np.ndarray:

@@ -7,7 +7,7 @@ import torch
 
 from creditlab import config
 from creditlab.checks import randomized_model, seed_structure
-from creditlab.credit.sources import BranchInputCredit
+from creditlab.credit.sources import TerminalTapCredit
 from creditlab.model import GPT
 from creditlab.train import Trainer
 from tests.test_train import ListLoader
@@ -16,23 +16,6 @@ MODEL = seed_structure()
 OVERRIDES = [f"model.{k}={v}" for k, v in vars(MODEL).items()] + [
     "train.device=cpu", "train.compile=off", "train.dtype=float64", "train.micro_batch=2", "train.grad_accum=1",
     "credit.rank=4", "credit.fit_precision=float32"]
-
-
-class TapCredit(BranchInputCredit):
-    """Exact backprop keeping the branch inputs (for the gates), the omitted products' inputs and x_L."""
-
-    def __init__(self):
-        super().__init__()
-        self.states: list[torch.Tensor] = []
-        self.x_terminal = None
-
-    def branch(self, index, n):
-        self.states.append(n.detach())
-        return super().branch(index, n)
-
-    def terminal(self, x):
-        self.x_terminal = x
-        return x
 
 
 def _setup(source: str, fit: str = "lstsq", seed: int = 3):
@@ -51,7 +34,7 @@ def _setup(source: str, fit: str = "lstsq", seed: int = 3):
 def _explicit_moments(trainer, batch, mutate: bool = False):
     """Per branch: F = g_b * [p ; m](e), Gram F^T F and cross moment c_b^T F, written plainly in float64."""
     model: GPT = trainer.model
-    tap = TapCredit()
+    tap = TerminalTapCredit()
     loss = model(batch[:, :-1], batch[:, 1:], credit=tap)
     e, *corrections = torch.autograd.grad(loss, [tap.x_terminal, *tap.inputs])
     p = trainer.source.predictor

@@ -36,3 +36,12 @@ def prepare_corpus(corpus_dir: Path, out: Path) -> Path:
     write_corpus(corpus_dir)
     quiet_prepare(f"dir:{corpus_dir}", out)
     return out
+
+
+def private_copy(prepared: Path, tmp_path: Path) -> Path:
+    """A copy of a prepared folder for one test, so its ledger writes and edits never reach another test."""
+    import shutil
+
+    out = tmp_path / "data"
+    shutil.copytree(prepared, out)
+    return out

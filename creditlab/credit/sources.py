@@ -93,6 +93,24 @@ class BranchInputCredit(ExactCredit):
         return n_omit
 
 
+class TerminalTapCredit(BranchInputCredit):
+    """Also keeps each branch input n_b (detached: what a state gate reads) and x_L, whose gradient is the
+    terminal error: everything a fit of a predictor needs from one exact pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.states: list[torch.Tensor] = []
+        self.x_terminal = None
+
+    def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
+        self.states.append(n.detach())
+        return super().branch(index, n)
+
+    def terminal(self, x: torch.Tensor) -> torch.Tensor:
+        self.x_terminal = x
+        return x
+
+
 class CreditSource(nn.Module):
     """Base: the exact source. Subclasses override `step`."""
 
