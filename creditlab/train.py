@@ -105,7 +105,16 @@ class Trainer:
         update, kind = self.update_index, self.update_kind(self.update_index)
         rt.reset_peak_memory(runtime)
         losses, batches = [], []
-        with rt.Timer(runtime) as passes:
+
+        def step() -> tuple[float, dict | None, float]:
+            lr_scale = self.optimizers.step(update)
+            self.optimizers.zero_grad()
+            # After the model's step: the fit's report reads its metrics on the host, and a synchronization
+            # before the step would leave the GPU idle while the host launches the optimizer's many kernels.
+            fit = self.source.end_update(kind)
+            return lr_scale, fit, torch.stack(losses).mean().item()
+
+        with rt.Timer(runtime) as timed:
             for micro in range(cfg.grad_accum):
                 inputs, targets = self._batch()
                 if align:
@@ -117,15 +126,14 @@ class Trainer:
                     else:
                         credit = self.source.context(self, inputs, targets, kind)
                         losses.append(self.forward_backward(inputs, targets, credit, 1.0 / cfg.grad_accum))
-        aligned = self.measure_alignment(batches) if align else None
-        with rt.Timer(runtime) as step:
-            lr_scale = self.optimizers.step(update)
-            self.optimizers.zero_grad()
-            # After the model's step: the fit's report reads its metrics on the host, and a synchronization
-            # before the step would leave the GPU idle while the host launches the optimizer's many kernels.
-            fit = self.source.end_update(kind)
-            loss = torch.stack(losses).mean().item()
-        seconds = passes.seconds + step.seconds
+            if not align:  # one timed region: no synchronization between the backward and the step
+                lr_scale, fit, loss = step()
+        seconds, aligned = timed.seconds, None
+        if align:  # the alignment pass between the backward and the step, outside the timed regions
+            aligned = self.measure_alignment(batches)
+            with rt.Timer(runtime) as timed_step:
+                lr_scale, fit, loss = step()
+            seconds += timed_step.seconds
         tokens = cfg.grad_accum * cfg.micro_batch * self.cfg.model.seq_len * runtime.world_size
         alloc, reserved = rt.peak_memory_mib(runtime)
         tps = tokens / seconds
