@@ -11,8 +11,10 @@ Families (r = credit.rank):
   seed         g_b * [p ; m], p = P e, P the leading r principal directions of e, gates as initialized
   seed_nogate  [p ; m], the same P and mean gate, no state gates
   seed_rank4x  as seed with rank 4r (at most d)
-  full         e_t itself: any linear map of the token's own terminal error (d features)
-  trained      the configured `learned` source's own P, gates and decoders, scored as they are
+  typed        the `typed` source's layout: attention branches g_b * [m ; p_{:r}], MLP branches g_b * p, with p
+               the leading 2r principal directions (2r features per branch, as seed)
+  full         e_t itself: any linear map of the token's own terminal error (d features): `fitted_feedback`
+  trained      the configured `learned` or `typed` source's own P, gates and decoders, scored as they are
   trained_refit  its P and gates, least-squares decoders
 The ceiling separates "the fit is poor" (trained far below trained_refit) from "the family cannot represent
 the correction" (trained_refit, or seed, far below full).
@@ -32,12 +34,13 @@ import torch
 
 from creditlab import config as config_mod
 from creditlab.config import Config, CreditConfig, ModelConfig
-from creditlab.credit.predictor import LearnedSource, Predictor
+from creditlab.credit.feedback import FittedFeedbackSource
+from creditlab.credit.predictor import LearnedSource, Predictor, TypedPredictor
 from creditlab.credit.sources import TerminalTapCredit
 from creditlab.model import GPT
 
 RIDGES = (0.0, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)  # relative to the Gram's mean diagonal
-FAMILIES = ("seed", "seed_nogate", "seed_rank4x", "full", "trained", "trained_refit")
+FAMILIES = ("seed", "seed_nogate", "seed_rank4x", "typed", "full", "trained", "trained_refit")
 
 
 # ---- recording one micro-batch -----------------------------------------------------------------------------
@@ -70,7 +73,9 @@ class CodeFamily:
 
     def __init__(self, predictor: Predictor, gated: bool = True, decoders: torch.Tensor | None = None):
         self.predictor, self.gated = predictor, gated
-        self.shared = not gated  # every branch sees the same features
+        # every branch sees the same features (then their Gram is formed once per batch)
+        self.shared = not gated and all(predictor.code_slice(b) == predictor.code_slice(0)
+                                        for b in range(predictor.decoders.shape[0]))
         self.decoders = decoders  # (branches, d, 2r) fixed decoders, or None: fitted by least squares
 
     @property
@@ -82,20 +87,22 @@ class CodeFamily:
         be gigabytes. The shared code is computed once; without gates every branch gets the same tensor."""
         p = self.predictor
         a, a_rev = p.mean_weights(rec.x_terminal.double())
-        code = p.code(rec.e.double(), a, a_rev)  # (B, T, 2r)
-        if not self.gated:
-            shared = code.flatten(0, 1)
+        code = p.code(rec.e.double(), a, a_rev)  # (B, T, code_width)
+        if self.shared:
+            shared = code[..., p.code_slice(0)].flatten(0, 1)
             return lambda b: shared
-        return lambda b: (p.gate(b, rec.states[b].double()) * code).flatten(0, 1)
+        if not self.gated:
+            return lambda b: code[..., p.code_slice(b)].flatten(0, 1)
+        return lambda b: (p.gate(b, rec.states[b].double()) * code[..., p.code_slice(b)]).flatten(0, 1)
 
 
 class FullFamily:
     """Features e_t (N, d): the best map of the token's own terminal error, state-independent."""
 
-    decoders, shared = None, True
+    shared = True
 
-    def __init__(self, width: int):
-        self.size = width
+    def __init__(self, width: int, decoders: torch.Tensor | None = None):
+        self.size, self.decoders = width, decoders  # fixed (branches, d, d) decoders, or None: least squares
 
     def features(self, rec: Recorded):
         shared = rec.e.double().flatten(0, 1)
@@ -114,19 +121,20 @@ def principal_projection(second_moment: torch.Tensor, rank: int) -> torch.Tensor
     return vectors[:, -rank:].flip(-1).t().contiguous()
 
 
-def initialized_predictor(model: ModelConfig, rank: int, seed: int, projection: torch.Tensor) -> Predictor:
+def initialized_predictor(model: ModelConfig, rank: int, seed: int, projection: torch.Tensor,
+                          kind: type[Predictor] = Predictor) -> Predictor:
     """A predictor with gates and mean gate drawn as the configured one draws them (its init, seeded), in
     float64, with projection P replaced."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        predictor = Predictor(model, rank).double()
+        predictor = kind(model, rank).double()
     with torch.no_grad():
         predictor.projection.copy_(projection)
     return predictor.to(projection.device).requires_grad_(False)  # measured, never trained here
 
 
 def build_families(model: ModelConfig, credit: CreditConfig, seed: int, second_moment: torch.Tensor,
-                   trained: Predictor | None) -> dict:
+                   trained: Predictor | torch.Tensor | None) -> dict:
     r, d = credit.rank, model.width
     wide = min(4 * r, d)  # more principal directions than d do not exist
     seed_p = initialized_predictor(model, r, seed, principal_projection(second_moment, r))
@@ -134,9 +142,13 @@ def build_families(model: ModelConfig, credit: CreditConfig, seed: int, second_m
         "seed": CodeFamily(seed_p),
         "seed_nogate": CodeFamily(seed_p, gated=False),
         "seed_rank4x": CodeFamily(initialized_predictor(model, wide, seed, principal_projection(second_moment, wide))),
+        "typed": CodeFamily(initialized_predictor(model, r, seed, principal_projection(second_moment, min(2 * r, d)),
+                                                  TypedPredictor)),
         "full": FullFamily(d),
     }
-    if trained is not None:
+    if isinstance(trained, torch.Tensor):  # a fitted feedback's decoders: the full family's own state
+        families["trained"] = FullFamily(d, decoders=trained.detach().double().to(second_moment.device))
+    elif trained is not None:
         own = copy.deepcopy(trained).double().to(second_moment.device).requires_grad_(False)
         families["trained"] = CodeFamily(own, decoders=own.decoders.detach())
         families["trained_refit"] = CodeFamily(own)
@@ -235,7 +247,7 @@ class Ceiling:
 
 
 def ceiling(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]], credit: CreditConfig, seed: int,
-            trained: Predictor | None = None, autocast=None, loss_chunk: int = 8_192, ridges=RIDGES) -> Ceiling:
+            trained: Predictor | torch.Tensor | None = None, autocast=None, loss_chunk: int = 8_192, ridges=RIDGES) -> Ceiling:
     """The families' ceilings at this model state: fit on batches[:-1], scored on batches[-1].
 
     Two passes: the seed families' P needs e's second moment over all fit batches before any of their features
@@ -345,7 +357,11 @@ def model_state(args):
         origin = None
         state = {"run": None, "loaded": None, "updates": args.updates, "preset": preset,
                  "overrides": list(args.overrides)}
-    trained = trainer.source.predictor if origin and isinstance(trainer.source, LearnedSource) else None
+    trained = None
+    if origin and isinstance(trainer.source, LearnedSource):
+        trained = trainer.source.predictor
+    elif origin and isinstance(trainer.source, FittedFeedbackSource):
+        trained = trainer.source.decoders
     state |= {"update": trainer.update_index, "source": cfg.credit.source,
               "trained": origin if trained is not None else None}
     return trainer, trained, state

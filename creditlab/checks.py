@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from creditlab.config import CreditConfig, ModelConfig
-from creditlab.credit.predictor import LearnedSource, Predictor, StateCredit, decode_all
+from creditlab.credit.predictor import LearnedSource, Predictor, StateCredit, TypedSource, decode_all
 from creditlab.credit.sources import InjectCredit, OracleSource, RecordCredit, ZeroSource
 from creditlab.model import GPT, ExactCredit
 
@@ -126,18 +126,18 @@ class _KeepGraph(ExactCredit):
         return n
 
 
-def _learned_setup(cfg: ModelConfig, seed: int, rank: int = 4):
+def _learned_setup(cfg: ModelConfig, seed: int, rank: int = 4, source_class=LearnedSource):
     model = randomized_model(cfg, seed)
-    source = LearnedSource(cfg, CreditConfig(rank=rank)).double()
+    source = source_class(cfg, CreditConfig(rank=rank)).double()
     with torch.no_grad():  # non-zero decoders and a non-trivial mean gate, so every path carries signal
         source.predictor.decoders.normal_(0.0, 0.3)
         source.predictor.mean_bias.fill_(0.3)
     return model, source
 
 
-def streaming_check(cfg: ModelConfig, seed: int) -> dict:
+def streaming_check(cfg: ModelConfig, seed: int, source_class=LearnedSource) -> dict:
     """Streaming adjoint injection == explicit decode + injection == materialized, in float64."""
-    model, source = _learned_setup(cfg, seed)
+    model, source = _learned_setup(cfg, seed, source_class=source_class)
     idx, targets = _batch(cfg, seed)
     # The terminal error is a property of the forward pass and the head, the same for every credit path.
     state = StateCredit()
@@ -226,13 +226,14 @@ def run_all(configs: dict[str, ModelConfig], seeds: list[int]) -> dict:
             groups += [{"name": f"{label}/seed{seed}/{gr['name']}", "rel_err": gr["rel_err"]} for gr in r["groups"]]
             zero_differs &= r["zero_max_rel_err"] > 1e-6
             mutation_caught &= r["mutation"]["caught"]
-            s = streaming_check(cfg, seed)
-            runs[-1]["streaming"] = s
-            streaming_ok &= s["streaming_max_rel_err"] <= TOLERANCE and s["materialized_max_rel_err"] <= TOLERANCE \
-                and s["zero_max_rel_err"] > 1e-6
-            predictor = randomized_predictor(cfg, seed)
-            linear.append(linearity_check(predictor, cfg, seed))
-            causal.append(reverse_causal_check(predictor, cfg, seed))
+            for source_class in (LearnedSource, TypedSource):  # the seed's code layout and the typed one
+                s = streaming_check(cfg, seed, source_class)
+                runs[-1]["streaming" if source_class is LearnedSource else f"streaming_{source_class.name}"] = s
+                streaming_ok &= s["streaming_max_rel_err"] <= TOLERANCE and \
+                    s["materialized_max_rel_err"] <= TOLERANCE and s["zero_max_rel_err"] > 1e-6
+                predictor = randomized_predictor(cfg, seed, cls=source_class.predictor_class)
+                linear.append(linearity_check(predictor, cfg, seed))
+                causal.append(reverse_causal_check(predictor, cfg, seed))
     max_err = max(g["rel_err"] for g in groups)
     result = {
         "oracle": {"groups": groups, "max_rel_err": max_err, "passed": max_err <= TOLERANCE,

@@ -59,9 +59,9 @@ class DataConfig:
 
 @dataclass
 class CreditConfig:
-    source: str = "exact"  # exact | oracle | zero | learned | dfa | dni
+    source: str = "exact"  # exact | oracle | zero | learned | typed | dfa | dni | fitted_feedback
     rank: int = 32  # rank of the terminal-error projection
-    teacher_every: int = 4  # one exact teacher update in K (the fitted sources, `learned` and `dni`; 0 = never)
+    teacher_every: int = 4  # one exact teacher update in K (the fitted sources; 0 = never)
     materialized: bool = False  # decode every correction at the tap (to measure what streaming saves)
     predictor_lr: float = 1e-2  # held-out fit after 150 teacher steps (tiny): 3e-3 0.82, 1e-2 0.78, 3e-2 0.77, 1e-1 0.81
     # The teacher's fit products over (B, T, d): "auto" runs them in the gradient's dtype (bf16 under autocast,
@@ -306,6 +306,9 @@ def validate(cfg: Config) -> None:
     c = cfg.credit
     if c.rank < 1:
         problems.append("credit.rank must be positive")
+    if c.source == "typed" and 2 * c.rank > cfg.model.width:
+        problems.append(f"credit.rank={c.rank}: the typed source projects onto 2 * rank directions, at most "
+                        f"model.width={cfg.model.width}")
     if c.fit_precision not in ("auto", "float32"):
         problems.append(f"credit.fit_precision must be auto|float32, got {c.fit_precision!r}")
     if c.teacher_every < 0:

@@ -109,6 +109,13 @@ class MLP(nn.Module):
         return self.proj(recomputed(self.recompute, relu_squared, self.fc(n_omit)))
 
 
+BRANCH_KINDS = ("attn", "mlp")  # each block's two branches, in branch order: index 2i is attention, 2i+1 its MLP
+
+
+def branch_kind(index: int) -> str:
+    return BRANCH_KINDS[index % 2]
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int, has_value_embed: bool):
         super().__init__()
@@ -157,7 +164,7 @@ class GPT(nn.Module):
         self.head.weight.zero_()
 
     def branch_names(self) -> list[str]:
-        return [f"layer{i}.{kind}" for i in range(self.cfg.layers) for kind in ("attn", "mlp")]
+        return [f"layer{i}.{kind}" for i in range(self.cfg.layers) for kind in BRANCH_KINDS]
 
     def branch_modules(self) -> list[nn.Linear]:
         """The linear maps whose input products the synthetic backward omits, in branch order."""

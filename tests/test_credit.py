@@ -10,8 +10,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from creditlab import checks
 from creditlab import runtime as rt
 from creditlab.config import CreditConfig, load
-from creditlab.credit.predictor import LearnedSource, Predictor, decode_all, reverse_cumsum
-from creditlab.credit.sources import DFASource, DNISource, InjectCredit, RecordCredit, ZeroSource, make_source
+from creditlab.credit.predictor import LearnedSource, Predictor, TypedSource, decode_all, reverse_cumsum
+from creditlab.credit.feedback import DFASource
+from creditlab.credit.sources import DNISource, InjectCredit, RecordCredit, ZeroSource, make_source
 from creditlab.credit.teacher import LearnedTeacher
 from creditlab.data import SyntheticLoader
 from creditlab.flops import flop_budget
@@ -73,8 +74,9 @@ def test_oracle_matches_native_and_the_check_can_fail():
     assert "blocks.7.mlp.fc.weight" not in mutation["broken"]  # downstream of the dropped branch: untouched
 
 
-def test_streaming_equals_explicit_decode_and_materialized():
-    s = checks.streaming_check(SMALL, seed=4)
+@pytest.mark.parametrize("source_class", [LearnedSource, TypedSource])
+def test_streaming_equals_explicit_decode_and_materialized(source_class):
+    s = checks.streaming_check(SMALL, seed=4, source_class=source_class)
     assert s["streaming_max_rel_err"] <= checks.TOLERANCE
     assert s["materialized_max_rel_err"] <= checks.TOLERANCE
     assert s["zero_max_rel_err"] > 1e-3
@@ -159,14 +161,26 @@ def test_reverse_mean_is_the_gated_mean_over_later_positions():
         torch.testing.assert_close(m[0, t], expected)
 
 
-def test_dfa_injects_fixed_random_feedback_of_the_terminal_error():
-    model = checks.randomized_model(SMALL, 9)
-    idx, targets = checks._batch(SMALL, 9)
+def _feedback_source(name: str):
     cfg = load("tiny")
     cfg.model = SMALL
-    cfg.credit.source = "dfa"
-    dfa = make_source(cfg).double()
-    assert isinstance(dfa, DFASource)
+    cfg.credit.source = name
+    source = make_source(cfg).double()
+    assert isinstance(source, DFASource) == (name == "dfa")
+    if name == "fitted_feedback":
+        with torch.no_grad():
+            source.decoders.normal_(0.0, SMALL.width ** -0.5, generator=torch.Generator().manual_seed(2))
+    return source
+
+
+@pytest.mark.parametrize("name, transposed", [("dfa", False), ("fitted_feedback", False), ("fitted_feedback", True)])
+def test_feedback_injects_its_map_of_the_terminal_error(name, transposed):
+    """c_b = e B_b (dfa) and c_b = D_b e (fitted_feedback); the transposed map is a mutation that must fail."""
+    model = checks.randomized_model(SMALL, 9)
+    idx, targets = checks._batch(SMALL, 9)
+    source = _feedback_source(name)
+    mapping = source.feedback if name == "dfa" else source.decoders.detach().transpose(1, 2)
+    B = mapping.transpose(1, 2) if transposed else mapping
     e_box = {}
 
     class Tap(ExactCredit):
@@ -175,15 +189,36 @@ def test_dfa_injects_fixed_random_feedback_of_the_terminal_error():
             return x
 
     checks._trunk_grads(model, idx, targets, Tap())
-    B = dfa.feedback
 
     def term(b, n):
         return (n * (e_box["e"] @ B[b])).sum()
 
     reference = checks._trunk_grads(model, idx, targets, InjectCredit(term))
-    got = checks._trunk_grads(model, idx, targets, dfa.step())
+    got = checks._trunk_grads(model, idx, targets, source.step())
     errs = checks._rel_errors(got, reference)
-    assert max(errs.values()) <= 1e-10
+    if transposed:
+        assert max(errs.values()) > 1e-3
+    else:
+        assert max(errs.values()) <= 1e-10
+
+
+@pytest.mark.parametrize("name", ["dfa", "fitted_feedback"])
+def test_feedback_forward_forms_no_product(name):
+    """Decoded in the backward only: the forward costs what `zero`'s does, to the FLOP."""
+    model = checks.randomized_model(SMALL, 9)
+    idx, targets = checks._batch(SMALL, 9)
+
+    def forward_flops(credit):
+        with FlopCounterMode(display=False) as flops:
+            model(idx, targets, credit=credit)
+        return flops.get_total_flops()
+
+    assert forward_flops(_feedback_source(name).step()) == forward_flops(ZeroSource().step())
+    matmuls, backward_flops = _backward_cost(model, idx, targets, _feedback_source(name).step())
+    zero_matmuls, zero_backward = _backward_cost(model, idx, targets, ZeroSource().step())
+    assert matmuls == zero_matmuls + SMALL.branches  # one decode per branch, in the backward
+    tokens = idx.numel()
+    assert backward_flops == zero_backward + SMALL.branches * 2 * tokens * SMALL.width ** 2
 
 
 class _TrainerStub:
@@ -428,7 +463,8 @@ def test_the_fitted_sources_are_the_ones_with_teacher_updates():
         assert make_source(cfg).fits == (name in FITTED_SOURCES), name
 
 
-@pytest.mark.parametrize("name, fit", [("learned", "adam"), ("dni", "adam"), ("learned", "lstsq"), ("dni", "lstsq")])
+@pytest.mark.parametrize("name, fit", [("learned", "adam"), ("dni", "adam"), ("learned", "lstsq"), ("dni", "lstsq"),
+                                       ("typed", "lstsq"), ("fitted_feedback", "lstsq"), ("fitted_feedback", "adam")])
 def test_fitted_sources_train_the_same_through_the_compiler(name, fit, monkeypatch):
     """On the GPU the step is compiled by default. Here the compiler traces the same step (teacher and synthetic
     micro-batches, the fits' autograd Functions) with the `aot_eager` backend, which needs no C++ toolchain,

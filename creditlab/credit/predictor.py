@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from creditlab.config import CreditConfig, ModelConfig
 from creditlab.credit.sources import AdjointCredit, FittedSource, OmitCredit
-from creditlab.model import ExactCredit, norm
+from creditlab.model import ExactCredit, branch_kind, norm
 
 
 def cumsum(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
@@ -43,11 +44,30 @@ class Predictor(nn.Module):
     def __init__(self, model: ModelConfig, rank: int):
         super().__init__()
         d, branches, self.rank = model.width, model.branches, rank
-        self.projection = nn.Parameter(torch.randn(rank, d) * d ** -0.5)  # P
+        self.projection = nn.Parameter(torch.randn(self.projection_rank, d) * d ** -0.5)  # P
         self.mean_gate = nn.Parameter(torch.randn(d) * d ** -0.5)  # w
         self.mean_bias = nn.Parameter(torch.zeros(()))  # beta
         self.state_gates = nn.Parameter(torch.randn(branches, 2 * rank, d) * d ** -0.5)  # G_b
         self.decoders = nn.Parameter(torch.zeros(branches, d, 2 * rank))  # D_b
+
+    # ---- the layout of the code ------------------------------------------------------------------------
+    @property
+    def projection_rank(self) -> int:
+        return self.rank
+
+    @property
+    def code_width(self) -> int:
+        """The width of the code shared by all branches (B, T, code_width)."""
+        return 2 * self.rank
+
+    def code_slice(self, b: int) -> slice:
+        """The part of the shared code that branch b's gates and decoder read (2r wide)."""
+        return slice(0, 2 * self.rank)
+
+    def widen(self, b: int, share: torch.Tensor) -> torch.Tensor:
+        """Branch b's (B, T, 2r) term placed at its slice of the code width: the adjoint of `code[..., slice]`."""
+        s = self.code_slice(b)
+        return share if s.stop - s.start == self.code_width else F.pad(share, (s.start, self.code_width - s.stop))
 
     # ---- forward states ---------------------------------------------------------------------------------
     def gate(self, b: int, n: torch.Tensor) -> torch.Tensor:  # (B, T, 2r)
@@ -70,15 +90,15 @@ class Predictor(nn.Module):
         return torch.cat([p, m], dim=-1)
 
     def decode(self, b: int, code: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return (gate * code.to(gate.dtype)) @ self.decoders[b].to(gate.dtype).t()
+        return (gate * code[..., self.code_slice(b)].to(gate.dtype)) @ self.decoders[b].to(gate.dtype).t()
 
     # ---- its adjoint, for streaming injection -----------------------------------------------------------
     def branch_adjoint(self, b: int, n: torch.Tensor) -> torch.Tensor:
-        """g_b * (n_b D_b): the branch's share of the adjoint, (B, T, 2r). Only n carries gradient."""
-        return _GatedAdjoint.apply(n, self.state_gates[b].detach(), self.decoders[b].detach())
+        """g_b * (n_b D_b): the branch's share of the adjoint, (B, T, code_width). Only n carries gradient."""
+        return self.widen(b, _GatedAdjoint.apply(n, self.state_gates[b].detach(), self.decoders[b].detach()))
 
     def tap(self, x_terminal: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-        """x_L unchanged, carrying the adjoint term for the branches' summed shares `total` (B, T, 2r).
+        """x_L unchanged, carrying the adjoint term for the branches' summed shares `total` (B, T, code_width).
 
         The term is Z = (h1 + a * cumsum(h2 / A)) P for total = [h1 ; h2], since <total, [p ; m]> =
         sum_s p_s . (h1_s + a_s sum_{t<=s} h2_t / A_t). Its VJP with e, handed to total, is the code [p ; m]
@@ -124,10 +144,11 @@ class _GatedAdjoint(torch.autograd.Function):
 
 class LearnedSource(FittedSource):
     name, omits = "learned", True
+    predictor_class = Predictor
 
     def __init__(self, model: ModelConfig, credit: CreditConfig):
         super().__init__(credit)
-        self.predictor = Predictor(model, credit.rank)
+        self.predictor = self.predictor_class(model, credit.rank)
         self.materialized = credit.materialized
 
     def step(self) -> OmitCredit:
@@ -138,6 +159,41 @@ class LearnedSource(FittedSource):
     def make_teacher(self):
         from creditlab.credit.teacher import LearnedTeacher
         return LearnedTeacher(self.predictor, self.credit_cfg)
+
+
+class TypedPredictor(Predictor):
+    """The code laid out by branch kind: an MLP acts on each token alone, so its credit is mostly its own
+    token's error, while credit reaches an attention branch's input from the later positions that attend to it.
+    So from one projection of rank 2r, the MLP branches read p (all 2r directions, no reverse mean), and the
+    attention branches read [m ; p_{:r}] (the leading r directions and their content-gated reverse mean):
+
+        code = [m ; p],  p = P e (2r),  m = reverse mean of p_{:r}          (B, T, 3r)
+        attention branch: code[..., 0:2r]      MLP branch: code[..., r:3r]
+
+    Gates, decoders and their cost per branch are the seed predictor's (2r features each); only P is twice as
+    tall, one product per token for all branches."""
+
+    @property
+    def projection_rank(self) -> int:
+        return 2 * self.rank
+
+    @property
+    def code_width(self) -> int:
+        return 3 * self.rank
+
+    def code_slice(self, b: int) -> slice:
+        r = self.rank
+        return slice(0, 2 * r) if branch_kind(b) == "attn" else slice(r, 3 * r)
+
+    def code(self, e: torch.Tensor, a: torch.Tensor, a_rev: torch.Tensor) -> torch.Tensor:
+        p = (e @ self.projection.to(e.dtype).t()).to(a.dtype)
+        m = reverse_cumsum(a * p[..., :self.rank]) / a_rev
+        return torch.cat([m, p], dim=-1)
+
+
+class TypedSource(LearnedSource):
+    name = "typed"
+    predictor_class = TypedPredictor
 
 
 class _DecodeAllAtTap(torch.autograd.Function):
@@ -200,4 +256,4 @@ class StateCredit(ExactCredit):
         return x
 
 
-__all__ = ["Predictor", "LearnedSource", "MaterializedCredit", "decode_all", "StateCredit"]
+__all__ = ["Predictor", "TypedPredictor", "LearnedSource", "TypedSource", "MaterializedCredit", "decode_all", "StateCredit"]

@@ -223,24 +223,6 @@ class AdjointCredit(OmitCredit):
         return self.tap(x, self.total)
 
 
-class DFASource(CreditSource):
-    """Direct feedback alignment (Launay et al. 2020 style): c_b = B_b e with fixed seeded random B_b."""
-
-    name, omits = "dfa", True
-
-    def __init__(self, width: int, branches: int, seed: int):
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.register_buffer("feedback", torch.randn(branches, width, width, generator=g) * width ** -0.5)
-
-    def _term(self, b: int, n: torch.Tensor) -> torch.Tensor:
-        # Z = sum_b n_b B_b^T has VJP e -> e B_b for n_b, i.e. c_b = B_b^T e (B_b is random: either way).
-        return n @ self.feedback[b].to(n.dtype).t()
-
-    def step(self) -> AdjointCredit:
-        return AdjointCredit(self._term, lambda x, total: x + zero_valued(total).to(x.dtype))
-
-
 def gate_and_code(n: torch.Tensor, gate_weight: torch.Tensor, code_weight: torch.Tensor):
     """DNI's state gate sigmoid(n G^T) and code n U^T (each (B, T, 2r)), from one product: one read of n."""
     gate_pre, coded = (n @ torch.cat([gate_weight, code_weight]).to(n.dtype).t()).chunk(2, dim=-1)
@@ -298,8 +280,8 @@ class DNISource(FittedSource):
         return DNITeacher(self, self.credit_cfg)
 
 
-SOURCES = ("exact", "oracle", "zero", "learned", "dfa", "dni")
-FITTED_SOURCES = ("learned", "dni")  # those with teacher updates (`fits`)
+SOURCES = ("exact", "oracle", "zero", "learned", "typed", "dfa", "dni", "fitted_feedback")
+FITTED_SOURCES = ("learned", "typed", "dni", "fitted_feedback")  # those with teacher updates (`fits`)
 
 
 def make_source(cfg: Config) -> CreditSource:
@@ -312,10 +294,17 @@ def make_source(cfg: Config) -> CreditSource:
     if name == "oracle":
         return OracleSource()
     if name == "dfa":
+        from creditlab.credit.feedback import DFASource
         return DFASource(m.width, m.branches, c.feedback_seed)
+    if name == "fitted_feedback":
+        from creditlab.credit.feedback import FittedFeedbackSource
+        return FittedFeedbackSource(m.width, m.branches, c)
     if name == "dni":
         return DNISource(m.width, m.branches, c)
     if name == "learned":
         from creditlab.credit.predictor import LearnedSource
         return LearnedSource(m, c)
+    if name == "typed":
+        from creditlab.credit.predictor import TypedSource
+        return TypedSource(m, c)
     raise ValueError(f"unknown credit source {name!r}; choose one of: {', '.join(SOURCES)}")

@@ -41,6 +41,15 @@ def _fit_dtypes(true: torch.Tensor, low_precision: bool) -> tuple[torch.dtype, t
     return acc, mm
 
 
+def wide_product(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype, mm: torch.dtype) -> torch.Tensor:
+    """a @ b with inputs in `mm` and the result in `acc`. On CUDA a bf16/fp16 product writes its float32
+    accumulator straight out (torch.mm's out_dtype): no rounding of a sum over many tokens to 8 bits."""
+    a, b = a.to(mm), b.to(mm)
+    if a.is_cuda and mm in (torch.bfloat16, torch.float16) and acc == torch.float32:
+        return torch.mm(a, b, out_dtype=acc)
+    return (a @ b).to(acc)
+
+
 def _rank_space_fit(true: torch.Tensor, gated: torch.Tensor, decoder: torch.Tensor, scale: float,
                     acc: torch.dtype, mm: torch.dtype):
     """The regression of the prediction D gated (B, T, d) onto the true correction c, loss
@@ -135,9 +144,11 @@ class FitCredit(ExactCredit):
 
     def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
         p = self.predictor
-        n_omit, slot = _FitBranch.apply(n, p.state_gates[index], p.decoders[index], self.code_sink,
+        code_sink = self.code_sink[..., p.code_slice(index)]  # this branch's part of the code
+        n_omit, slot = _FitBranch.apply(n, p.state_gates[index], p.decoders[index], code_sink,
                                         self.stats_sink[index], *_moment_slots(self.moment_sinks, index),
                                         self.scale, self.low_precision)
+        slot = p.widen(index, slot)
         self.total = slot if self.total is None else self.total + slot
         return n_omit
 
@@ -323,7 +334,7 @@ class LearnedTeacher(Teacher):
     def fit_credit(self, trainer, inputs, scale, stats_sink, moment_sinks) -> FitCredit:
         p, (B, T) = self.predictor, inputs.shape
         sinks = dict(device=inputs.device, dtype=self.dtype, requires_grad=True)
-        code_sink = torch.zeros(B, T, 2 * p.rank, **sinks)
+        code_sink = torch.zeros(B, T, p.code_width, **sinks)
         # In the residual stream's dtype: e arrives in it, and a wider copy would only move more bytes.
         probe_dtype = trainer.runtime.autocast_dtype or self.dtype
         error_probe = torch.zeros(B, T, p.decoders.shape[1], **sinks | {"dtype": probe_dtype})
