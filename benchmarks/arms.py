@@ -43,6 +43,11 @@ ARMS = {
     "teacher": ["credit.source=learned", "credit.teacher_every=1"],
     "cycle": ["credit.source=learned", "credit.teacher_every=4"],  # the trained schedule: one teacher in four
     "dfa": ["credit.source=dfa"],
+    "typed": ["credit.source=typed", "credit.teacher_every=0"],
+    "feedback": ["credit.source=fitted_feedback", "credit.teacher_every=0"],
+    "teacher_lstsq": ["credit.source=learned", "credit.teacher_every=1", "credit.fit=lstsq"],
+    "teacher_typed": ["credit.source=typed", "credit.teacher_every=1", "credit.fit=lstsq"],
+    "teacher_feedback": ["credit.source=fitted_feedback", "credit.teacher_every=1", "credit.fit=lstsq"],
     "native_plain": ["credit.source=exact", "model.recompute=none"],
 }
 

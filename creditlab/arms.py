@@ -26,6 +26,10 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in (
     Arm("oracle", ("credit.source=oracle",), "true corrections of the same batch injected (trains as native)"),
     Arm("zero", ("credit.source=zero",), "the 16 products omitted, nothing injected"),
     Arm("learned", ("credit.source=learned",), "learned predictor, one exact teacher update in credit.teacher_every"),
+    Arm("typed", ("credit.source=typed",), "learned predictor with its code laid out by branch kind (attention: "
+                                           "[m ; p], MLP: p of rank 2r)"),
+    Arm("fitted_feedback", ("credit.source=fitted_feedback",), "a full least-squares map of the terminal error "
+                                                                "per branch, fitted on teacher updates"),
     Arm("dfa", ("credit.source=dfa",), "fixed random feedback of the terminal error"),
     Arm("dni", ("credit.source=dni",), "predicted from each branch's own state, fitted on teacher updates"),
     Arm("intermittent", ("credit.source=exact",), "native backprop, fewer updates at the reference arm's "

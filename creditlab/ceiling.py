@@ -328,8 +328,11 @@ def model_state(args):
         if args.overrides or args.preset is not None:
             raise config_mod.ConfigError("--run takes its config from the run's config.json; drop --preset and --set")
         run = Path(args.run)
+        if run.is_file():  # one checkpoint of a run
+            run, checkpoints = run.parent, [run]
+        else:
+            checkpoints = sorted(run.glob("checkpoint_*.pt"))
         cfg = _run_config(run)
-        checkpoints = sorted(run.glob("checkpoint_*.pt"))
         if not checkpoints and not (run / "model.pt").exists():
             raise config_mod.ConfigError(f"{run} has no model.pt and no checkpoint_*.pt: no model state to measure")
         trainer = Trainer(cfg)
@@ -452,7 +455,8 @@ def add_commands(sub, config_args) -> None:
                                        "state (DESIGN section 10)")
     config_args(p)
     p.set_defaults(preset=None)  # None: not given (with --run the config is the run's); tiny for --updates
-    p.add_argument("--run", default=None, help="a run folder: its newest checkpoint_*.pt, else its model.pt")
+    p.add_argument("--run", default=None, help="a run folder (its newest checkpoint_*.pt, else its model.pt), or one "
+                                               "checkpoint_*.pt of a run")
     p.add_argument("--updates", type=int, default=None, help="instead: N native updates from the preset's init")
     p.add_argument("--batches", type=int, default=4, help="TRAIN micro-batches K: fit on K-1, score on 1 (default 4)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")

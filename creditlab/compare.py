@@ -258,6 +258,9 @@ class ArmRun:
             self.resident += torch.cuda.memory_allocated(runtime.device) - before
         self.rows.append(row_dict(row))
         append_jsonl(self.folder / "rows.jsonl", self.rows[-1])
+        every = self.cfg.train.checkpoint_every
+        if every and self.trainer.update_index % every == 0:  # model states for `creditlab ceiling --run`
+            self.trainer.save_checkpoint(self.folder / f"checkpoint_{self.trainer.update_index:06d}.pt")
         bar.update(1)
 
     def finish(self) -> dict:

@@ -108,7 +108,7 @@ def _fixed_model_fit(teacher_updates: int = 6):
     """On a fixed model (it is never stepped), the learned source with the ceiling's `seed` family as its P and
     gates, fitted by lstsq for a few teacher updates cycling over the ceiling's fit batches; returns the held-out
     cosine of the source as trained, the same with each branch given its neighbour's decoder (a mutation), and
-    the ceiling of its family."""
+    the ceilings of its family and of `full`."""
     from creditlab import ceiling as ceil
 
     cfg = config.load("tiny", OVERRIDES + ["credit.source=learned", "credit.fit=lstsq", "credit.predictor_lr=0",
@@ -131,11 +131,12 @@ def _fixed_model_fit(teacher_updates: int = 6):
         predictor.decoders.copy_(predictor.decoders.roll(1, dims=0))
     mutated = ceil.ceiling(model, batches, cfg.credit, cfg.train.seed, predictor).fits["trained"]
     return (float(scored.heldout_cosine.mean()), float(mutated.heldout_cosine.mean()),
-            float(bound.fits["seed"].heldout_cosine.mean()))
+            float(bound.fits["seed"].heldout_cosine.mean()), float(bound.fits["full"].heldout_cosine.mean()))
 
 
 def test_lstsq_reaches_the_seed_familys_ceiling_within_a_few_teacher_updates():
-    reached, mutated, ceiling = _fixed_model_fit()
+    reached, mutated, ceiling, full = _fixed_model_fit()
     assert ceiling > 0.1  # a family with something to fit
+    assert full >= ceiling, (full, ceiling)  # any linear map of the token's own error, held out
     assert reached >= 0.95 * ceiling, (reached, ceiling)
     assert mutated < 0.95 * ceiling, (mutated, ceiling)  # the comparison can fail

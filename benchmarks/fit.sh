@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The fit study of benchmarks/fit/: the seed model on pack:docs at the competence shape (32,768 tokens per
+# update), the predictor families trained side by side, their fit ceilings at three model states, and the
+# teacher's cost per family at the seed shape.
+#
+#   benchmarks/fit.sh smoke OUT                 a few compiled tiny updates of every new source (catches a
+#                                               compiler failure before the long run)
+#   benchmarks/fit.sh run DATA OUT SEED         the comparison, one seed, checkpoints every UPDATES/3 updates
+#   benchmarks/fit.sh ceilings OUT SEED         the fit ceiling at each checkpoint of the fitted arms
+#   benchmarks/fit.sh cost OUT                  teacher and synthetic updates per family, arms interleaved
+#
+# DATA: a folder prepared by `benchmarks/competence.sh prepare DATA`. Any CUDA machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+UPDATES=${UPDATES:-600}
+EVERY=$((UPDATES / 3))
+CK="@train.checkpoint_every=$EVERY"
+ARMS=${ARMS:-native,zero,learned,learned@credit.fit=lstsq$CK,typed@credit.fit=lstsq$CK,fitted_feedback@credit.fit=lstsq$CK}
+case "$1" in
+  smoke)
+    python3 -m creditlab.cli compare --preset tiny --set train.updates=6 --set credit.teacher_every=2 \
+      --set train.eval_every=0 --set train.eval_tokens=4096 --no-progress \
+      --arms "typed@credit.fit=lstsq,fitted_feedback@credit.fit=lstsq,fitted_feedback,dfa" --out "$2/smoke" ;;
+  run)
+    python3 -m creditlab.cli compare --preset seed --set data.source=shards --set "data.dir=$2" \
+      --set train.micro_batch=16 --set train.grad_accum=1 --set train.eval_every=100 \
+      --set train.eval_tokens=262144 --set compare.align_every=50 --set "train.updates=$UPDATES" \
+      --arms "$ARMS" --seeds "$4" --no-progress --out "$3/seed$4" ;;
+  ceilings)
+    for arm in "$2/seed$3"/*-seed"$3"; do
+      for ck in "$arm"/checkpoint_*.pt; do
+        [ -e "$ck" ] || continue
+        name=$(basename "$arm")_$(basename "$ck" .pt)
+        python3 -m creditlab.cli ceiling --run "$ck" --batches 4 --out "$2/ceilings/$name"
+      done
+    done ;;
+  cost)
+    python3 benchmarks/arms.py --out "$2/cost" --updates 12 \
+      --arms native,zero,learned,typed,feedback,teacher,teacher_lstsq,teacher_typed,teacher_feedback ;;
+  *) echo "usage: $0 smoke OUT | run DATA OUT SEED | ceilings OUT SEED | cost OUT" >&2; exit 2 ;;
+esac
