@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from creditlab import config as config_mod  # noqa: E402
 from creditlab.train import Trainer  # noqa: E402
-from tests.test_train import ListLoader  # noqa: E402
+from creditlab.data import SyntheticLoader  # noqa: E402
 
 SOURCES = {"learned": [], "typed": [], "fitted_feedback": [], "dfa": [], "dni": [],
            "learned_rank128": ["credit.rank=128"]}
@@ -53,7 +53,7 @@ def _measure(name: str, extra: list[str], seq: int) -> dict:
                                    "train.dtype=float32", "train.micro_batch=1", "train.grad_accum=1",
                                    f"model.seq_len={seq}", "credit.fit=lstsq", *extra])
     ids = torch.randint(0, cfg.model.vocab_size, (1, seq + 1), generator=torch.Generator().manual_seed(0))
-    trainer = Trainer(cfg, loader=ListLoader([ids]))
+    trainer = Trainer(cfg, loader=SyntheticLoader(cfg.model.vocab_size, 1, seq, seed=0))
     inputs, targets = ids[:, :-1], ids[:, 1:]
     model = trainer.model
 

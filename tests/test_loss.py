@@ -100,7 +100,8 @@ def test_float32_is_close_to_float64():
 def test_fused_matches_reference_for_any_shape(n, d, vocab, pad, chunk, cap, scale, seed):
     h, w, t = problem(n, d, vocab, pad, scale, seed)
     (fused, fh, fw), (ref, rh, rw) = both(h, w, t, vocab, cap, chunk)
-    assert rel_err(fused.detach(), ref.detach()) <= 1e-12
-    assert rel_err(fh, rh) <= 1e-12
-    assert rel_err(fw, rw) <= 1e-12
+    # Relative to the result, and absolute at float64 rounding of the O(1) terms a confident prediction cancels
+    # (log-sum-exp minus the target's logit, softmax minus one): a loss or gradient of 1e-5 carries ~1e-16 of it.
+    for got, want in ((fused.detach(), ref.detach()), (fh, rh), (fw, rw)):
+        assert (got - want).norm().item() <= 1e-12 * want.norm().item() + 1e-15
     assert torch.count_nonzero(fw[vocab:]) == 0
