@@ -20,7 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from creditlab import config as config_mod  # noqa: E402
 from creditlab.train import Trainer  # noqa: E402
+from creditlab.credit.sources import ZeroSource  # noqa: E402
 from creditlab.data import SyntheticLoader  # noqa: E402
+from creditlab.model import ExactCredit  # noqa: E402
 
 SOURCES = {"learned": [], "typed": [], "fitted_feedback": [], "dfa": [], "dni": [],
            "learned_rank128": ["credit.rank=128"]}
@@ -60,8 +62,6 @@ def _measure(name: str, extra: list[str], seq: int) -> dict:
     def step(credit):
         return lambda: model(inputs, targets, credit=credit).backward()
 
-    from creditlab.credit.sources import ZeroSource
-    from creditlab.model import ExactCredit
     zero = counted(step(ZeroSource().step()))
     native = counted(step(ExactCredit()))
     synthetic = counted(step(trainer.source.step()))

@@ -142,10 +142,11 @@ def build_families(model: ModelConfig, credit: CreditConfig, seed: int, second_m
         "seed": CodeFamily(seed_p),
         "seed_nogate": CodeFamily(seed_p, gated=False),
         "seed_rank4x": CodeFamily(initialized_predictor(model, wide, seed, principal_projection(second_moment, wide))),
-        "typed": CodeFamily(initialized_predictor(model, r, seed, principal_projection(second_moment, min(2 * r, d)),
-                                                  TypedPredictor)),
-        "full": FullFamily(d),
     }
+    if 2 * r <= d:  # the typed layout projects onto 2r directions
+        families["typed"] = CodeFamily(initialized_predictor(model, r, seed, principal_projection(second_moment, 2 * r),
+                                                             TypedPredictor))
+    families["full"] = FullFamily(d)
     if isinstance(trained, torch.Tensor):  # a fitted feedback's decoders: the full family's own state
         families["trained"] = FullFamily(d, decoders=trained.detach().double().to(second_moment.device))
     elif trained is not None:

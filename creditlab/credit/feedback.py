@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from creditlab.config import CreditConfig
 from creditlab.credit.sources import CreditSource, FittedSource, OmitCredit
-from creditlab.credit.teacher import STATS, Teacher, _fit_dtypes, wide_product
+from creditlab.credit.teacher import Teacher, _fit_dtypes, exact_pass, wide_product
 from creditlab.model import ExactCredit
 
 
@@ -49,6 +49,11 @@ class _Pass(torch.autograd.Function):
         return e, e
 
 
+def carrier_of(carrier: torch.Tensor | None, n: torch.Tensor) -> torch.Tensor:
+    """The chain's carrier so far, or at the first branch a zero of n's shape that costs no memory."""
+    return n.new_zeros(()).expand_as(n) if carrier is None else carrier
+
+
 class FeedbackCredit(OmitCredit):
     """The synthetic step of a feedback source: `mapping(b)` is branch b's M_b (d, d), c_b = e M_b."""
 
@@ -57,8 +62,7 @@ class FeedbackCredit(OmitCredit):
         self.carrier = None
 
     def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
-        carrier = n.new_zeros(()).expand_as(n) if self.carrier is None else self.carrier
-        self.carrier = _FeedbackChain.apply(carrier, n, self.mapping(index))
+        self.carrier = _FeedbackChain.apply(carrier_of(self.carrier, n), n, self.mapping(index))
         return n.detach()
 
     def terminal(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,9 +112,8 @@ class FeedbackFitCredit(ExactCredit):
         self.carrier = None
 
     def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
-        carrier = n.new_zeros(()).expand_as(n) if self.carrier is None else self.carrier
-        n_omit, self.carrier = _FitFeedback.apply(n, carrier, self.cross_sink[index], self.true_sq_sink[index],
-                                                  self.low_precision)
+        n_omit, self.carrier = _FitFeedback.apply(n, carrier_of(self.carrier, n), self.cross_sink[index],
+                                                  self.true_sq_sink[index], self.low_precision)
         return n_omit
 
     def terminal(self, x: torch.Tensor) -> torch.Tensor:
@@ -151,20 +154,15 @@ class FeedbackTeacher(Teacher):
         probe_dtype = trainer.runtime.autocast_dtype or self.dtype
         error_probe = torch.zeros(*inputs.shape, d, **sink | {"dtype": probe_dtype})
         credit = FeedbackFitCredit(cross_sink, true_sq_sink, error_probe, self.low_precision)
-        forward = getattr(trainer, "_forward", None) or trainer.ddp or trainer.model
-        with trainer.runtime.autocast():
-            loss = forward(inputs, targets, credit=credit, loss_chunk=trainer.cfg.train.loss_chunk)
-        (loss * scale).backward()
+        loss = exact_pass(trainer, inputs, targets, credit, scale)
         if cross_sink.grad is None or error_probe.grad is None:
             raise RuntimeError("the teacher's backward did not reach the branches and the tap: no fit")
         e = error_probe.grad.flatten(0, 1)
         gram = wide_product(e.t(), e, *_fit_dtypes(e, self.low_precision)).to(cross_sink.dtype)
         cross, true_sq = cross_sink.grad, true_sq_sink.grad
         self.stats.append(self._stats(gram, cross, true_sq))
-        if self.closed_form:
-            grams = gram.expand(branches, d, d)
-            self.moment_sums = [grams.clone(), cross.clone()] if self.moment_sums is None else \
-                [self.moment_sums[0] + grams, self.moment_sums[1] + cross]
+        if self.closed_form:  # Teacher.solve's layout: one Gram per branch (here all the same)
+            self.add_moments([gram.expand(branches, d, d).clone(), cross.clone()])
         else:
             self._accumulate_gradient(gram, cross, true_sq, scale)
         return loss.detach()
@@ -174,8 +172,8 @@ class FeedbackTeacher(Teacher):
         pred_sq = torch.einsum("bdk,kl,bdl->b", D, gram, D)
         dot = (D * cross).sum((1, 2))
         weight = torch.where(true_sq > 0, 1.0 / true_sq.clamp_min(1e-300), torch.zeros_like(true_sq))
+        # the columns of teacher.STATS
         stats = torch.stack([(pred_sq - 2 * dot + true_sq) * weight, dot, pred_sq, true_sq], dim=1)
-        assert stats.shape[1] == len(STATS)
         return stats.to(self.dtype)
 
     def _accumulate_gradient(self, gram, cross, true_sq, scale: float) -> None:

@@ -186,6 +186,16 @@ def code_objective(predictor, e: torch.Tensor, x_terminal: torch.Tensor, code_gr
     return (predictor.code(e, a, a_rev) * code_grad.to(dtype)).sum()
 
 
+def exact_pass(trainer, inputs: torch.Tensor, targets: torch.Tensor, credit: ExactCredit, scale: float):
+    """One exact micro-batch under a fitting credit context: forward (compiled, DDP-wrapped as the trainer's
+    steps are) and backward of the scaled loss; the fit happens inside the backward."""
+    forward = getattr(trainer, "_forward", None) or trainer.ddp or trainer.model
+    with trainer.runtime.autocast():
+        loss = forward(inputs, targets, credit=credit, loss_chunk=trainer.cfg.train.loss_chunk)
+    (loss * scale).backward()
+    return loss
+
+
 class Teacher:
     """Owns a fitted source's optimizer and the per-branch fit metrics of the current teacher update.
 
@@ -226,18 +236,18 @@ class Teacher:
         stats_sink = torch.zeros(branches, len(STATS), device=inputs.device, dtype=self.dtype, requires_grad=True)
         moment_sinks = self._moment_sinks(inputs.device)
         credit = self.fit_credit(trainer, inputs, scale, stats_sink, moment_sinks)
-        forward = getattr(trainer, "_forward", None) or trainer.ddp or trainer.model
-        with trainer.runtime.autocast():
-            loss = forward(inputs, targets, credit=credit, loss_chunk=trainer.cfg.train.loss_chunk)
-        (loss * scale).backward()
+        loss = exact_pass(trainer, inputs, targets, credit, scale)
         if stats_sink.grad is None:
             raise RuntimeError("the teacher's backward did not reach the branches: no fit")
         self.after_backward(trainer, credit)
         self.stats.append(stats_sink.grad.detach())
         if moment_sinks is not None:
-            grads = [sink.grad if sink.grad is not None else torch.zeros_like(sink) for sink in moment_sinks]
-            self.moment_sums = grads if self.moment_sums is None else [a + g for a, g in zip(self.moment_sums, grads)]
+            self.add_moments([sink.grad if sink.grad is not None else torch.zeros_like(sink) for sink in moment_sinks])
         return loss.detach()
+
+    def add_moments(self, moments: list[torch.Tensor]) -> None:
+        """Add one micro-batch's [Gram, cross moment] to this update's sums."""
+        self.moment_sums = moments if self.moment_sums is None else [a + m for a, m in zip(self.moment_sums, moments)]
 
     @property
     def dtype(self) -> torch.dtype:

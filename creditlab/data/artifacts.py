@@ -39,14 +39,22 @@ def cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "creditlab" / "packs"
 
 
+def cached(path: Path, sha256: str, log: Callable[[str], None] = print) -> bool:
+    """Whether `path` holds the pinned file already; a cached file that does not match is said and refetched."""
+    if not path.exists():
+        return False
+    if file_sha256(path) == sha256:
+        return True
+    log(f"cached {path} does not match its pinned SHA256; fetching it again")
+    return False
+
+
 def fetch(artifact: Artifact, cache: Path | None = None, log: Callable[[str], None] = print) -> Path:
     """The local path of `artifact`, downloading it into the cache only when it is not already there."""
     cache = cache if cache is not None else cache_dir()
     path = cache / artifact.filename
-    if path.exists():
-        if file_sha256(path) == artifact.sha256:
-            return path
-        log(f"cached {path} does not match its pinned SHA256; fetching it again")
+    if cached(path, artifact.sha256, log):
+        return path
     cache.mkdir(parents=True, exist_ok=True)
     log(f"fetching {artifact.requirement} -> {path}")
     with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:

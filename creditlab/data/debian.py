@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
-from creditlab.data.artifacts import ArtifactError, cache_dir
+from creditlab.data.artifacts import ArtifactError, cache_dir, cached
 from creditlab.data.shards import file_sha256
 
 AR_MAGIC = b"!<arch>\n"
@@ -96,10 +96,8 @@ def fetch_deb(deb: Deb, cache: Path | None = None, log: Callable[[str], None] = 
     """The local path of `deb`, downloading it into the cache only when it is not already there."""
     cache = cache if cache is not None else cache_dir()
     path = cache / deb.filename
-    if path.exists():
-        if file_sha256(path) == deb.sha256:
-            return path
-        log(f"cached {path} does not match its pinned SHA256; fetching it again")
+    if cached(path, deb.sha256, log):
+        return path
     if shutil.which("apt-get") is None:
         raise ArtifactError(f"{deb.requirement}: apt-get is not installed here; place {deb.filename} "
                             f"(SHA256 {deb.sha256}) in {cache} by hand, or carry the extracted-text cache")
