@@ -51,9 +51,13 @@ def plot_arms(arms_json: Path, out: Path, name: str, note: str) -> Path:
     ax2.set_xlabel("peak allocated MiB")
     ax2.legend(loc="lower right", fontsize=8)
     ax2.set_yticklabels([])
-    gpu = data["meta"]["env"].get("gpu")
-    fig.suptitle(f"Seed preset, micro 64 x T 2048 x GA 4, {data['meta']['updates']} updates per arm, {gpu} "
-                 f"({note})", fontsize=10)
+    meta = data["meta"]
+    gpu, train = meta["env"].get("gpu"), meta.get("config", {}).get("train")
+    # Older result files carry no config; they were all measured at the seed preset's shape.
+    micro, accum = (train["micro_batch"], train["grad_accum"]) if train else (64, 4)
+    seq = meta["config"]["model"]["seq_len"] if train else 2048
+    fig.suptitle(f"{meta.get('preset', 'seed').capitalize()} preset, micro {micro} x T {seq} x GA {accum}, "
+                 f"{meta['updates']} updates per arm, {gpu} ({note})", fontsize=10)
     return _save(fig, out / name)
 
 
@@ -216,6 +220,9 @@ def main() -> None:
     print(plot_ddp(results / "ddp_seed.json", out, "ddp_seed.png",
                    {"ddp_learned": results / "ddp_seed_learned.log"}))
     print(plot_screens(HERE / "screen_records", out))
+    (out / "fit").mkdir(exist_ok=True)
+    print(plot_arms(HERE / "fit" / "cost" / "arms.json", out / "fit", "cost.png",
+                    "fit study: synthetic and teacher updates per family"))
 
 
 if __name__ == "__main__":
