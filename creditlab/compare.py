@@ -301,6 +301,8 @@ def summarize(runs: dict) -> dict:
                       for key in ("dev_loss", "dev_bits_per_byte", "train_loss_last10pct", "seconds_per_update",
                                   "gpu_seconds", "peak_allocated_mib", "updates")}
         out[label]["gap_closed"] = _stats(gaps)
+        out[label]["by_seed"] = {str(s): by_seed[s]["dev_loss"] for s in seeds
+                                 if by_seed[s]["dev_loss"] is not None and math.isfinite(by_seed[s]["dev_loss"])}
     return out
 
 
@@ -317,8 +319,22 @@ def verdicts(result: dict) -> list[str]:
         if min(len(la["values"]), len(lb["values"])) < 2:
             return head + "; one seed, so no seed spread: not assessable as a difference"
         if abs(diff) <= spread:
-            return head + f"; within the seed spread ({spread:.4f}): no difference"
-        return head + f"; beyond the seed spread ({spread:.4f}): {a} is {'worse' if diff > 0 else 'better'}"
+            head += f"; within the seed spread ({spread:.4f}): no difference"
+        else:
+            head += f"; beyond the seed spread ({spread:.4f}): {a} is {'worse' if diff > 0 else 'better'}"
+        return head + _paired(a, b)
+
+    def _paired(a: str, b: str) -> str:
+        # Arms of one seed share the initialization and the data order, so the per-seed difference removes the
+        # seed's own variation, which the unpaired spread above keeps in.
+        pa, pb = summary[a].get("by_seed", {}), summary[b].get("by_seed", {})
+        seeds = sorted(set(pa) & set(pb))
+        if len(seeds) < 2:
+            return ""
+        d = [pa[s] - pb[s] for s in seeds]
+        sign = ("better in every seed" if max(d) < 0 else "worse in every seed" if min(d) > 0
+                else "the sign differs between seeds")
+        return f"; paired by seed ({len(seeds)}): {' / '.join(f'{x:+.4f}' for x in d)}, {a} {sign}"
 
     if "native" in summary:
         for label in summary:
@@ -359,6 +375,7 @@ def merge(folders: list[Path], out: Path) -> dict:
         intermittent.update(r["intermittent"])
     out.mkdir(parents=True, exist_ok=False)
     arms = {a["label"]: a for r in results for a in r["arms"]}  # a seed may have run a subset of the arms
+    runs = {label: runs[label] for label in arms if label in runs}  # the arms' order, not the records' keys
     merged = first | {"seeds": sorted({int(s) for by_seed in runs.values() for s in by_seed}), "runs": runs,
                       "arms": list(arms.values()),
                       "intermittent": intermittent, "summary": summarize(runs),
