@@ -12,6 +12,8 @@ import json
 import typing
 from dataclasses import dataclass, field
 
+from creditlab.credit import registry, schedules
+
 
 @dataclass
 class ModelConfig:
@@ -59,15 +61,23 @@ class DataConfig:
 
 @dataclass
 class CreditConfig:
-    source: str = "exact"  # exact | oracle | zero | learned | typed | dfa | dni | fitted_feedback
+    source: str = "exact"  # a name of credit/registry.py: exact | oracle | zero | learned | typed | dfa | dni | ...
     rank: int = 32  # rank of the terminal-error projection
-    teacher_every: int = 4  # one exact teacher update in K (the fitted sources; 0 = never)
+    teacher_every: int = 4  # one exact teacher update in K (the fitted sources; 0 = never), for `fixed`
+    # Which updates are exact (credit/schedules.py): fixed | fixed:K | never | warmup:N[,K] | adaptive[:A,B].
+    schedule: str = "fixed"
     materialized: bool = False  # decode every correction at the tap (to measure what streaming saves)
     predictor_lr: float = 1e-2  # held-out fit after 150 teacher steps (tiny): 3e-3 0.82, 1e-2 0.78, 3e-2 0.77, 1e-1 0.81
     # The teacher's fit products over (B, T, d): "auto" runs them in the gradient's dtype (bf16 under autocast,
     # with float32 sums); "float32" always in float32 or better.
     fit_precision: str = "auto"
     feedback_seed: int = 1234  # fixed random feedback of `dfa`
+    # `dfa`'s scale: "none" (the random feedback as drawn) or "calibrated" (each branch's feedback scaled to the
+    # RMS of its true corrections, measured on teacher updates: dfa then has teacher updates like a fitted source)
+    dfa_scale: str = "none"
+    fdfa_momentum: float = 0.9  # `fdfa`: weight of the past in the running estimate of each feedback operator
+    sketch_rank: int = 32  # `sketch`: rank k of the factor of each omitted product's weight
+    sketch_every: int = 50  # `sketch`: updates between refreshes of the factor (truncated SVD of the weight)
     # How the fitted sources' decoders are fitted on teacher updates: "adam" (one gradient step per teacher update
     # on the regression loss) or "lstsq" (closed form: the features' Gram matrix and their cross moment with the
     # true corrections are streamed in the backward, averaged across teacher updates with weight fit_decay on the
@@ -80,6 +90,7 @@ class CreditConfig:
 
 RECOMPUTE_PARTS = ("norm", "qk", "mlp")
 FITS = ("adam", "lstsq")
+DFA_SCALES = ("none", "calibrated")
 
 
 def parse_recompute(spec: str) -> frozenset[str]:
@@ -306,13 +317,29 @@ def validate(cfg: Config) -> None:
     c = cfg.credit
     if c.rank < 1:
         problems.append("credit.rank must be positive")
-    if c.source == "typed" and 2 * c.rank > cfg.model.width:
-        problems.append(f"credit.rank={c.rank}: the typed source projects onto 2 * rank directions, at most "
-                        f"model.width={cfg.model.width}")
+    if c.source not in registry.SOURCES:
+        problems.append(f"credit.source: unknown credit source {c.source!r}; valid: {', '.join(registry.SOURCES)}")
+    else:
+        source = registry.source_class(c.source)
+        problems += source.config_problems(cfg)
+        try:
+            schedules.parse(c.schedule, c.teacher_every)
+        except ValueError as exc:
+            problems.append(f"credit.schedule: {exc}")
+        else:
+            if c.schedule.startswith("adaptive") and not source.fits:
+                problems.append(f"credit.schedule={c.schedule}: adapts to the fit measured on teacher updates, and "
+                                f"credit.source={c.source} fits nothing; use fixed:K or warmup:N,K")
     if c.fit_precision not in ("auto", "float32"):
         problems.append(f"credit.fit_precision must be auto|float32, got {c.fit_precision!r}")
     if c.teacher_every < 0:
         problems.append("credit.teacher_every must be >= 0")
+    if c.dfa_scale not in DFA_SCALES:
+        problems.append(f"credit.dfa_scale must be one of {'|'.join(DFA_SCALES)}, got {c.dfa_scale!r}")
+    if not 0.0 <= c.fdfa_momentum < 1.0:
+        problems.append("credit.fdfa_momentum must lie in [0, 1)")
+    if c.sketch_rank < 1 or c.sketch_every < 1:
+        problems.append("credit.sketch_rank and credit.sketch_every must be positive")
     if c.fit not in FITS:
         problems.append(f"credit.fit must be one of {'|'.join(FITS)}, got {c.fit!r}")
     if not 0.0 <= c.fit_decay < 1.0:

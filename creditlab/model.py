@@ -1,9 +1,10 @@
 """The GPT: a causal decoder in the style of the 2025 modded-nanogpt records, scaled to d8/w512.
 
 Read it top to bottom. Each block has two *branches*, attention and MLP; each reads `n = norm(x)` from the
-residual stream. The products the synthetic backward omits are the ones that read `credit.branch(b, n)`:
-the Q/K/V projection of attention and the expansion of the MLP. Everything else in a branch (the attention
-gate, the value embeddings, the output projections) reads `n` itself and stays exact. The residual stream
+residual stream. The products the synthetic backward omits are the ones the credit context computes,
+`credit.product(b, credit.branch(b, n), W)`: the Q/K/V projection of attention and the expansion of the MLP.
+Everything else in a branch (the attention gate, the value embeddings, the output projections) reads `n` itself
+and stays exact. The residual stream
 entering the final norm passes `credit.terminal(x)`: the tap where the terminal error appears in backward;
 `credit.finish(loss)` may add exactly-zero terms that carry injected corrections (credit/sources.py).
 """
@@ -43,6 +44,10 @@ class ExactCredit:
 
     def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
         return n
+
+    def product(self, index: int, n: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Branch `index`'s product n W^T, whose input gradient the synthetic backward omits."""
+        return F.linear(n, weight)
 
     def terminal(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -85,9 +90,10 @@ class Attention(nn.Module):
     def qk_norm_rotary(self, q: torch.Tensor, k: torch.Tensor):
         return self.rotary(norm(q)), self.rotary(norm(k))
 
-    def forward(self, n: torch.Tensor, n_omit: torch.Tensor, ve: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, n: torch.Tensor, qkv: torch.Tensor, ve: torch.Tensor | None) -> torch.Tensor:
+        """qkv: n W_qkv^T, computed by the credit context (the omitted product)."""
         B, T, d = n.shape
-        q, k, v = F.linear(n_omit, self.qkv.weight).view(B, T, 3, self.heads, self.head_dim).unbind(2)
+        q, k, v = qkv.view(B, T, 3, self.heads, self.head_dim).unbind(2)
         q, k = recomputed(self.recompute, self.qk_norm_rotary, q, k)  # QK-norm, then rotary positions
         if ve is not None:
             v = self.value_mix[0] * v + self.value_mix[1] * ve.view_as(v)
@@ -105,8 +111,9 @@ class MLP(nn.Module):
         self.proj = nn.Linear(cfg.mlp_hidden, cfg.width, bias=False)
         self.recompute = "mlp" in cfg.recompute_parts
 
-    def forward(self, n_omit: torch.Tensor) -> torch.Tensor:
-        return self.proj(recomputed(self.recompute, relu_squared, self.fc(n_omit)))
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h: n W_fc^T, computed by the credit context (the omitted product)."""
+        return self.proj(recomputed(self.recompute, relu_squared, h))
 
 
 BRANCH_KINDS = ("attn", "mlp")  # each block's two branches, in branch order: index 2i is attention, 2i+1 its MLP
@@ -128,9 +135,10 @@ class Block(nn.Module):
     def forward(self, x, x0, ve, credit: ExactCredit):
         x = self.resid_mix[0] * x + self.resid_mix[1] * x0
         n = recomputed(self.recompute, norm, x)
-        x = x + self.attn(n, credit.branch(2 * self.index, n), ve)
+        a, m = 2 * self.index, 2 * self.index + 1  # the block's branches
+        x = x + self.attn(n, credit.product(a, credit.branch(a, n), self.attn.qkv.weight), ve)
         n = recomputed(self.recompute, norm, x)
-        x = x + self.mlp(credit.branch(2 * self.index + 1, n))
+        x = x + self.mlp(credit.product(m, credit.branch(m, n), self.mlp.fc.weight))
         return x
 
 

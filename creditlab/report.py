@@ -11,7 +11,7 @@ import json
 import statistics
 from pathlib import Path
 
-from creditlab.credit.sources import FITTED_SOURCES
+from creditlab.credit import SOURCES, source_class
 from creditlab.protocol.records import read_jsonl, write_once
 
 
@@ -32,8 +32,9 @@ def label(run: dict) -> str:
     cfg = run["config"] or {}
     credit = cfg.get("credit", {})
     source = credit.get("source", "?")
-    if source in FITTED_SOURCES:
-        source += f", teacher 1/{credit.get('teacher_every')}"
+    if source in SOURCES and source_class(source).fits:
+        schedule = credit.get("schedule", "fixed")
+        source += f", teacher 1/{credit.get('teacher_every')}" if schedule == "fixed" else f", schedule {schedule}"
     return f"{run['dir'].name} ({source})"
 
 

@@ -1,8 +1,9 @@
 """Training: one forward+backward step per micro-batch, the update, and the loop.
 
-`Trainer.forward_backward` is the one place a forward and a backward pass happen; which credit path runs
-inside it is the credit source's business (credit/). An update is `grad_accum` micro-batches then one
-optimizer step; each update yields a row of synchronized wall time, loss and peak memory.
+`Trainer.forward_backward` is the one place a forward and a backward pass happen, for every kind of update
+(native, synthetic, teacher); which credit path runs inside it is the credit source's business (credit/), and
+which kind each update is, the schedule's (credit/schedules.py). An update is `grad_accum` micro-batches then
+one optimizer step; each update yields a row of synchronized wall time, loss and peak memory.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from creditlab import runtime as rt
 from creditlab.alignment import alignment
 from creditlab.config import Config
 from creditlab.credit import make_source
+from creditlab.credit.schedules import plan_for
 from creditlab.flops import flop_budget
 from creditlab.model import EXACT, GPT
 from creditlab.optim import Optimizers
@@ -66,6 +68,7 @@ class Trainer:
         self.runtime = runtime or rt.resolve(cfg.train)
         self.model = model if model is not None else build_model(cfg, self.runtime)
         self.source = make_source(cfg).to(device=self.runtime.device, dtype=self.runtime.param_dtype)
+        self.plan = plan_for(cfg.credit.schedule, cfg.credit.teacher_every, self.source.omits, self.source.fits)
         self.optimizers = Optimizers(self.model, cfg.train)
         self.loader = loader if loader is not None else data.make_loader(
             cfg, "train", self.runtime.rank, self.runtime.world_size)
@@ -91,10 +94,7 @@ class Trainer:
         return loss.detach()
 
     def update_kind(self, update: int) -> str:
-        if not self.source.omits:
-            return "native"
-        k = self.cfg.credit.teacher_every
-        return "teacher" if self.source.fits and k and update % k == 0 else "synthetic"
+        return self.plan.kind(update)
 
     def train_update(self, align: bool = False) -> UpdateRow:
         """One update: grad_accum micro-batches, then the optimizer step and the source's end of update.
@@ -112,6 +112,7 @@ class Trainer:
             # After the model's step: the fit's report reads its metrics on the host, and a synchronization
             # before the step would leave the GPU idle while the host launches the optimizer's many kernels.
             fit = self.source.end_update(kind)
+            self.plan.observe(update, kind, fit)
             return lr_scale, fit, torch.stack(losses).mean().item()
 
         with rt.Timer(runtime) as timed:
@@ -121,11 +122,10 @@ class Trainer:
                     batches.append((inputs, targets))
                 sync = self.ddp is None or micro == cfg.grad_accum - 1
                 with self.ddp.no_sync() if not sync else contextlib.nullcontext():
-                    if kind == "teacher":
-                        losses.append(self.source.teach(self, inputs, targets, 1.0 / cfg.grad_accum))
-                    else:
-                        credit = self.source.context(self, inputs, targets, kind)
-                        losses.append(self.forward_backward(inputs, targets, credit, 1.0 / cfg.grad_accum))
+                    scale = 1.0 / cfg.grad_accum
+                    credit = self.source.context(self, inputs, targets, kind, scale)
+                    losses.append(self.forward_backward(inputs, targets, credit, scale))
+                    self.source.after_backward(self, credit, kind)
             if not align:  # one timed region: no synchronization between the backward and the step
                 lr_scale, fit, loss = step()
         seconds, aligned = timed.seconds, None
@@ -166,10 +166,11 @@ class Trainer:
 
     def state_dict(self) -> dict:
         """Everything a resumed run needs: model, optimizers, credit source (predictor and its optimizer),
-        data position and update count."""
+        schedule, data position and update count."""
         teacher = getattr(self.source, "teacher", None)
         return {"model": self.model.state_dict(), "optimizers": self.optimizers.state_dict(),
                 "source": self.source.state_dict(), "teacher": teacher.state_dict() if teacher else None,
+                "schedule": self.plan.schedule.state_dict(),
                 "loader": self.loader.state_dict(), "update": self.update_index, "config": self.cfg.to_dict()}
 
     def save_checkpoint(self, path) -> None:
@@ -192,6 +193,7 @@ class Trainer:
         if state["teacher"] is not None:
             self.source.teacher = self.source.make_teacher()
             self.source.teacher.load_state_dict(state["teacher"])
+        self.plan.schedule.load_state_dict(state.get("schedule", {}))
         self.loader.load_state_dict(state["loader"])
         self.update_index = state["update"]
 

@@ -12,11 +12,14 @@ from creditlab import runtime as rt
 from creditlab.config import CreditConfig, load
 from creditlab.credit.predictor import LearnedSource, Predictor, TypedSource, decode_all, reverse_cumsum
 from creditlab.credit.feedback import DFASource
-from creditlab.credit.sources import DNISource, InjectCredit, RecordCredit, ZeroSource, make_source
+from creditlab.credit import make_source
+from creditlab.credit.dni import DNISource
+from creditlab.credit.sources import InjectCredit, RecordCredit, ZeroSource
 from creditlab.credit.teacher import LearnedTeacher
 from creditlab.data import SyntheticLoader
 from creditlab.flops import flop_budget
 from creditlab.model import ExactCredit
+from creditlab.train import Trainer
 
 SMALL = checks.seed_structure()  # 8 layers, 16 branches, every parameter kind
 
@@ -222,8 +225,12 @@ def test_feedback_forward_forms_no_product(name):
 
 
 class _TrainerStub:
+    """What a teacher reads of the trainer, and the trainer's own forward and backward step."""
+
+    forward_backward = Trainer.forward_backward
+
     def __init__(self, model, cfg):
-        self.model, self.cfg, self.ddp = model, cfg, None
+        self.model, self.cfg, self.ddp, self._forward = model, cfg, None, model
         self.runtime = rt.resolve(cfg.train)
 
 
@@ -456,7 +463,8 @@ def test_dni_fitting_cuts_heldout_correction_error():
 
 
 def test_the_fitted_sources_are_the_ones_with_teacher_updates():
-    from creditlab.credit.sources import FITTED_SOURCES, SOURCES
+    from creditlab.credit import SOURCES
+    FITTED_SOURCES = ("learned", "typed", "dni", "fitted_feedback")
 
     for name in SOURCES:
         cfg = load("tiny", ["model.vocab_size=97", f"credit.source={name}"])

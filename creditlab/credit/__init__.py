@@ -1,5 +1,8 @@
-"""The credit path: which input-gradient products are omitted and what is injected in their place."""
+"""The credit path: which input-gradient products are omitted and what is injected in their place.
 
-from creditlab.credit.sources import SOURCES, CreditSource, make_source
+`registry` names every source, `schedules` every schedule; both are leaves that import nothing else of creditlab.
+"""
 
-__all__ = ["SOURCES", "CreditSource", "make_source"]
+from creditlab.credit.registry import SOURCES, make_source, source_class
+
+__all__ = ["SOURCES", "make_source", "source_class"]

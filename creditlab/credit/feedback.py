@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from creditlab.config import CreditConfig
+from creditlab.config import Config, CreditConfig
 from creditlab.credit.sources import CreditSource, FittedSource, OmitCredit
-from creditlab.credit.teacher import Teacher, _fit_dtypes, exact_pass, wide_product
+from creditlab.credit.teacher import Teacher, _fit_dtypes, wide_product
 from creditlab.model import ExactCredit
 
 
@@ -79,6 +79,10 @@ class DFASource(CreditSource):
         g = torch.Generator().manual_seed(seed)
         self.register_buffer("feedback", torch.randn(branches, width, width, generator=g) * width ** -0.5)
 
+    @classmethod
+    def from_config(cls, cfg: Config) -> "DFASource":
+        return cls(cfg.model.width, cfg.model.branches, cfg.credit.feedback_seed)
+
     def step(self) -> FeedbackCredit:
         return FeedbackCredit(lambda b: self.feedback[b])
 
@@ -106,9 +110,9 @@ class FeedbackFitCredit(ExactCredit):
     """Exact backprop whose backward streams every branch's cross moment with the terminal error."""
 
     def __init__(self, cross_sink: torch.Tensor, true_sq_sink: torch.Tensor, error_probe: torch.Tensor,
-                 low_precision: bool):
+                 low_precision: bool, scale: float):
         self.cross_sink, self.true_sq_sink, self.error_probe = cross_sink, true_sq_sink, error_probe
-        self.low_precision = low_precision
+        self.low_precision, self.scale = low_precision, scale
         self.carrier = None
 
     def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
@@ -130,6 +134,10 @@ class FittedFeedbackSource(FittedSource):
         super().__init__(credit)
         self.decoders = nn.Parameter(torch.zeros(branches, width, width))  # D_b: c_t = D_b e_t
 
+    @classmethod
+    def from_config(cls, cfg: Config) -> "FittedFeedbackSource":
+        return cls(cfg.model.width, cfg.model.branches, cfg.credit)
+
     def step(self) -> FeedbackCredit:
         return FeedbackCredit(lambda b: self.decoders[b].detach().t())
 
@@ -146,26 +154,27 @@ class FeedbackTeacher(Teacher):
     def __init__(self, source: FittedFeedbackSource, cfg: CreditConfig):
         super().__init__(source, source.decoders, cfg)
 
-    def teach(self, trainer, inputs, targets, scale: float) -> torch.Tensor:
+    def context(self, trainer, inputs, scale: float) -> FeedbackFitCredit:
         branches, d, _ = self.decoders.shape
         sink = dict(device=inputs.device, dtype=torch.float32 if self.dtype != torch.float64 else torch.float64,
                     requires_grad=True)
         cross_sink, true_sq_sink = torch.zeros(branches, d, d, **sink), torch.zeros(branches, **sink)
         probe_dtype = trainer.runtime.autocast_dtype or self.dtype
         error_probe = torch.zeros(*inputs.shape, d, **sink | {"dtype": probe_dtype})
-        credit = FeedbackFitCredit(cross_sink, true_sq_sink, error_probe, self.low_precision)
-        loss = exact_pass(trainer, inputs, targets, credit, scale)
-        if cross_sink.grad is None or error_probe.grad is None:
+        return FeedbackFitCredit(cross_sink, true_sq_sink, error_probe, self.low_precision, scale)
+
+    def collect(self, trainer, credit: FeedbackFitCredit) -> None:
+        if credit.cross_sink.grad is None or credit.error_probe.grad is None:
             raise RuntimeError("the teacher's backward did not reach the branches and the tap: no fit")
-        e = error_probe.grad.flatten(0, 1)
-        gram = wide_product(e.t(), e, *_fit_dtypes(e, self.low_precision)).to(cross_sink.dtype)
-        cross, true_sq = cross_sink.grad, true_sq_sink.grad
+        branches, d, _ = self.decoders.shape
+        e = credit.error_probe.grad.flatten(0, 1)
+        gram = wide_product(e.t(), e, *_fit_dtypes(e, self.low_precision)).to(credit.cross_sink.dtype)
+        cross, true_sq = credit.cross_sink.grad, credit.true_sq_sink.grad
         self.stats.append(self._stats(gram, cross, true_sq))
         if self.closed_form:  # Teacher.solve's layout: one Gram per branch (here all the same)
             self.add_moments([gram.expand(branches, d, d).clone(), cross.clone()])
         else:
-            self._accumulate_gradient(gram, cross, true_sq, scale)
-        return loss.detach()
+            self._accumulate_gradient(gram, cross, true_sq, credit.scale)
 
     def _stats(self, gram, cross, true_sq) -> torch.Tensor:
         D = self.decoders.detach().to(gram.dtype)

@@ -21,8 +21,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from creditlab.config import CreditConfig, ModelConfig
+from creditlab.config import Config, CreditConfig, ModelConfig
 from creditlab.credit.sources import AdjointCredit, FittedSource, OmitCredit
+from creditlab.credit.teacher import LearnedTeacher
 from creditlab.model import ExactCredit, branch_kind, norm
 
 
@@ -151,13 +152,16 @@ class LearnedSource(FittedSource):
         self.predictor = self.predictor_class(model, credit.rank)
         self.materialized = credit.materialized
 
+    @classmethod
+    def from_config(cls, cfg: Config) -> "LearnedSource":
+        return cls(cfg.model, cfg.credit)
+
     def step(self) -> OmitCredit:
         if self.materialized:
             return MaterializedCredit(self.predictor)
         return AdjointCredit(self.predictor.branch_adjoint, self.predictor.tap)
 
     def make_teacher(self):
-        from creditlab.credit.teacher import LearnedTeacher
         return LearnedTeacher(self.predictor, self.credit_cfg)
 
 
@@ -194,6 +198,13 @@ class TypedPredictor(Predictor):
 class TypedSource(LearnedSource):
     name = "typed"
     predictor_class = TypedPredictor
+
+    @classmethod
+    def config_problems(cls, cfg: Config) -> list[str]:
+        if 2 * cfg.credit.rank > cfg.model.width:
+            return [f"credit.rank={cfg.credit.rank}: the typed source projects onto 2 * rank directions, at most "
+                    f"model.width={cfg.model.width}"]
+        return []
 
 
 class _DecodeAllAtTap(torch.autograd.Function):

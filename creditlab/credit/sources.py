@@ -1,10 +1,11 @@
 """Credit sources: where the omitted input-gradient products' replacements come from.
 
-A source is a module whose `step()` returns the per-micro-batch context the model threads through its forward
-pass (`branch`, `terminal`, `finish`); the model never knows which source it runs. Adding a source is one class
-and one line in `make_source`. A source that learns (`fits = True`) also implements `teach` (one exact
-micro-batch that fits it) and `end_update` (apply the fit, report it), and the trainer calls them on teacher
-updates.
+A source is a module whose `context()` returns the per-micro-batch context the model threads through its
+forward pass (`branch`, `product`, `terminal`, `finish`); the model never knows which source it runs. Adding a
+source is one class and one line in registry.py. The trainer runs every micro-batch the same way: the source's
+context for the update's kind (schedules.py decides it), the trainer's one forward and backward, then the source's
+`after_backward`; after the optimizer step, `end_update`. A source that learns (`fits = True`) gives a teacher
+update a fitting context (credit/teacher.py) and applies and reports the fit in `end_update`.
 
 How a correction reaches the residual gradient without a second backward pass or hooks:
 
@@ -112,11 +113,20 @@ class TerminalTapCredit(BranchInputCredit):
 
 
 class CreditSource(nn.Module):
-    """Base: the exact source. Subclasses override `step`."""
+    """Base: the exact source. Subclasses override `step` and, where they need the batch, `context`."""
 
     name = "exact"
     omits = False  # whether the source's steps omit the 16 products
     fits = False  # whether the source fits a predictor on exact teacher updates
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "CreditSource":
+        return cls()
+
+    @classmethod
+    def config_problems(cls, cfg: Config) -> list[str]:
+        """What in `cfg` this source cannot run with (checked when the config is built)."""
+        return []
 
     def step(self) -> ExactCredit:
         """The context of one synthetic micro-batch."""
@@ -126,13 +136,16 @@ class CreditSource(nn.Module):
         """The context of one exact micro-batch."""
         return ExactCredit()
 
-    def context(self, trainer, inputs: torch.Tensor, targets: torch.Tensor, kind: str) -> ExactCredit:
-        """The context of one micro-batch of a synthetic or native update. Sources whose corrections depend on
-        the batch itself (`oracle`) read it here; the others ignore it."""
+    def context(self, trainer, inputs: torch.Tensor, targets: torch.Tensor, kind: str, scale: float) -> ExactCredit:
+        """The context of one micro-batch of an update of `kind`, whose loss is scaled by `scale` in the backward.
+        Sources whose corrections depend on the batch itself (`oracle`) read it here; the others ignore it."""
         return self.step() if kind == "synthetic" else self.exact_step()
 
+    def after_backward(self, trainer, credit: ExactCredit, kind: str) -> None:
+        """Called after each micro-batch's backward with the context it ran under."""
+
     def end_update(self, kind: str) -> dict | None:
-        """Called after each update's micro-batches; a fitting source applies its fit and reports it."""
+        """Called after each update's optimizer step; a fitting source applies its fit and reports it."""
         return None
 
 
@@ -149,7 +162,19 @@ class FittedSource(CreditSource):
     def make_teacher(self):
         raise NotImplementedError
 
+    def context(self, trainer, inputs, targets, kind: str, scale: float) -> ExactCredit:
+        if kind != "teacher":
+            return super().context(trainer, inputs, targets, kind, scale)
+        if self.teacher is None:
+            self.teacher = self.make_teacher()
+        return self.teacher.context(trainer, inputs, scale)
+
+    def after_backward(self, trainer, credit: ExactCredit, kind: str) -> None:
+        if kind == "teacher":
+            self.teacher.collect(trainer, credit)
+
     def teach(self, trainer, inputs, targets, scale: float) -> torch.Tensor:
+        """One teacher micro-batch outside a training update (the ceiling, benchmarks, tests)."""
         if self.teacher is None:
             self.teacher = self.make_teacher()
         return self.teacher.teach(trainer, inputs, targets, scale)
@@ -185,7 +210,7 @@ class OracleSource(CreditSource):
         self.corrections = [g.detach() for g in torch.autograd.grad(loss, rec.inputs)]
         return loss.detach()
 
-    def context(self, trainer, inputs, targets, kind: str) -> ExactCredit:
+    def context(self, trainer, inputs, targets, kind: str, scale: float) -> ExactCredit:
         if kind != "synthetic":
             return self.exact_step()
         self.record(trainer.model, inputs, targets, trainer.runtime.autocast(),
@@ -221,90 +246,3 @@ class AdjointCredit(OmitCredit):
 
     def terminal(self, x: torch.Tensor) -> torch.Tensor:
         return self.tap(x, self.total)
-
-
-def gate_and_code(n: torch.Tensor, gate_weight: torch.Tensor, code_weight: torch.Tensor):
-    """DNI's state gate sigmoid(n G^T) and code n U^T (each (B, T, 2r)), from one product: one read of n."""
-    gate_pre, coded = (n @ torch.cat([gate_weight, code_weight]).to(n.dtype).t()).chunk(2, dim=-1)
-    return torch.sigmoid(gate_pre), coded
-
-
-class DNISource(FittedSource):
-    """Decoupled neural interfaces, rank-limited: c_b = s_b D_b (sigma(G_b n_b) * U_b n_b), from the branch's own
-    state only (no terminal error). Decoders start at zero and are fitted on teacher updates, as the learned
-    predictor is, to the true corrections.
-
-    s_b is the running RMS of branch b's true corrections, measured on teacher updates (zero until the first).
-    The learned predictor's corrections scale with the terminal error by construction; a prediction from the
-    state alone has no such scale, and without s_b its decoders would have to hold the corrections' magnitude
-    (~1e-4 here): steps of the fit's Adam, about its learning rate in size, overshoot that at once."""
-
-    name, omits = "dni", True
-
-    def __init__(self, width: int, branches: int, credit: CreditConfig):
-        super().__init__(credit)
-        rank = credit.rank
-        self.gates = nn.Parameter(torch.randn(branches, 2 * rank, width) * width ** -0.5)
-        self.codes = nn.Parameter(torch.randn(branches, 2 * rank, width) * width ** -0.5)
-        self.decoders = nn.Parameter(torch.zeros(branches, width, 2 * rank))
-        self.register_buffer("scales", torch.zeros(branches))
-
-    def decoder(self, b: int) -> torch.Tensor:
-        """The effective decoder s_b D_b: the fit's gradient reaches D_b through it."""
-        return self.scales[b] * self.decoders[b]
-
-    def code(self, b: int, n: torch.Tensor) -> torch.Tensor:  # (B, T, 2r)
-        gate, coded = gate_and_code(n, self.gates[b], self.codes[b])
-        return gate * coded
-
-    def predict(self, b: int, n: torch.Tensor) -> torch.Tensor:
-        return self.code(b, n) @ self.decoder(b).to(n.dtype).t()
-
-    def _term(self, b: int, n: torch.Tensor) -> torch.Tensor:
-        # <n_b D_b, code_b> has gradient code_b D_b^T = c_b for n_b; decoded only when backward reaches b.
-        code = self.code(b, n.detach()).detach()
-        return ((n @ self.decoder(b).detach().to(n.dtype)) * code).sum()
-
-    @torch.no_grad()
-    def track_scales(self, rms: torch.Tensor, momentum: float = 0.9) -> None:
-        """Fold one teacher update's RMS of each branch's true correction into s (a branch with none keeps its)."""
-        seen = rms > 0
-        blended = torch.where(self.scales > 0, momentum * self.scales + (1 - momentum) * rms, rms)
-        self.scales.copy_(torch.where(seen, blended, self.scales))
-
-    def step(self) -> InjectCredit:
-        return InjectCredit(self._term)
-
-    def make_teacher(self):
-        from creditlab.credit.teacher import DNITeacher
-        return DNITeacher(self, self.credit_cfg)
-
-
-SOURCES = ("exact", "oracle", "zero", "learned", "typed", "dfa", "dni", "fitted_feedback")
-FITTED_SOURCES = ("learned", "typed", "dni", "fitted_feedback")  # those with teacher updates (`fits`)
-
-
-def make_source(cfg: Config) -> CreditSource:
-    """One registry line per source."""
-    name, m, c = cfg.credit.source, cfg.model, cfg.credit
-    if name == "exact":
-        return CreditSource()
-    if name == "zero":
-        return ZeroSource()
-    if name == "oracle":
-        return OracleSource()
-    if name == "dfa":
-        from creditlab.credit.feedback import DFASource
-        return DFASource(m.width, m.branches, c.feedback_seed)
-    if name == "fitted_feedback":
-        from creditlab.credit.feedback import FittedFeedbackSource
-        return FittedFeedbackSource(m.width, m.branches, c)
-    if name == "dni":
-        return DNISource(m.width, m.branches, c)
-    if name == "learned":
-        from creditlab.credit.predictor import LearnedSource
-        return LearnedSource(m, c)
-    if name == "typed":
-        from creditlab.credit.predictor import TypedSource
-        return TypedSource(m, c)
-    raise ValueError(f"unknown credit source {name!r}; choose one of: {', '.join(SOURCES)}")

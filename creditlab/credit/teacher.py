@@ -13,7 +13,7 @@ so it compiles like any other step:
 * the code's gradient, summed over branches in code space (B, T, 2r), is pushed through [p ; m] into the
   projection and the mean gate once, after the backward, from the terminal error captured at the tap.
 
-The DNI rival is fitted the same way (`_FitLocal`), its code computed from the branch input alone. Both fits
+The DNI rival is fitted the same way (credit/dni.py), its code computed from the branch input alone. Both fits
 share `_rank_space_fit`: the regression's gradient and statistics without forming a (B, T, d) prediction.
 """
 
@@ -26,7 +26,6 @@ import torch.distributed as dist
 
 from creditlab import runtime as rt
 from creditlab.config import CreditConfig
-from creditlab.credit.sources import gate_and_code
 from creditlab.model import ExactCredit
 
 STATS = ("weighted_sq_error", "pred_dot_true", "pred_sq", "true_sq")
@@ -105,32 +104,6 @@ class _FitBranch(torch.autograd.Function):
                 *moments, None, None)
 
 
-class _FitLocal(torch.autograd.Function):
-    """The DNI predictor's fit at one branch: gated = sigmoid(n G^T) * (n U^T), from the branch input alone."""
-
-    @staticmethod
-    def forward(ctx, n, gate_weight, code_weight, decoder, stats_sink, gram_sink, cross_sink, scale: float,
-                low_precision: bool):
-        """decoder: the effective s_b D_b; the caller's autograd carries its gradient on to D_b."""
-        gate, coded = gate_and_code(n, gate_weight, code_weight)
-        ctx.save_for_backward(n, gate, coded, decoder)
-        ctx.scale, ctx.low_precision, ctx.moments = scale, low_precision, gram_sink is not None
-        return n.view_as(n)
-
-    @staticmethod
-    def backward(ctx, true):
-        n, gate, coded, decoder = ctx.saved_tensors
-        acc, mm = _fit_dtypes(true, ctx.low_precision)
-        gate, coded = gate.to(acc), coded.to(acc)
-        d_decoder, d_gated, stats, gram, cross = _rank_space_fit(true, gate * coded, decoder, ctx.scale, acc, mm)
-        d_pre = torch.cat([d_gated * coded * gate * (1.0 - gate), d_gated * gate], dim=-1)  # (B, T, 4r)
-        d_gate_weight, d_code_weight = (d_pre.to(mm).flatten(0, 1).t() @ n.to(mm).flatten(0, 1)).chunk(2)
-        dtype = decoder.dtype
-        moments = (gram, cross) if ctx.moments else (None, None)
-        return (true, d_gate_weight.to(dtype), d_code_weight.to(dtype), d_decoder.to(dtype), stats, *moments,
-                None, None)
-
-
 class FitCredit(ExactCredit):
     """Exact backprop that fits the learned predictor on the fly (see the module docstring)."""
 
@@ -158,20 +131,6 @@ class FitCredit(ExactCredit):
         return x + self.error_probe.to(x.dtype)  # the probe's gradient is e
 
 
-class LocalFitCredit(ExactCredit):
-    """Exact backprop that fits the DNI predictor on the fly: each branch's regression from its own input."""
-
-    def __init__(self, dni, scale: float, stats_sink: torch.Tensor, low_precision: bool = False,
-                 moment_sinks=None):
-        self.dni, self.scale, self.stats_sink, self.low_precision = dni, scale, stats_sink, low_precision
-        self.moment_sinks = moment_sinks
-
-    def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
-        d = self.dni
-        return _FitLocal.apply(n, d.gates[index], d.codes[index], d.decoder(index), self.stats_sink[index],
-                               *_moment_slots(self.moment_sinks, index), self.scale, self.low_precision)
-
-
 def _moment_slots(sinks, index: int):
     """This branch's slots of the (Gram, cross-moment) sinks, or (None, None) when no closed-form fit runs."""
     return (None, None) if sinks is None else (sinks[0][index], sinks[1][index])
@@ -186,21 +145,12 @@ def code_objective(predictor, e: torch.Tensor, x_terminal: torch.Tensor, code_gr
     return (predictor.code(e, a, a_rev) * code_grad.to(dtype)).sum()
 
 
-def exact_pass(trainer, inputs: torch.Tensor, targets: torch.Tensor, credit: ExactCredit, scale: float):
-    """One exact micro-batch under a fitting credit context: forward (compiled, DDP-wrapped as the trainer's
-    steps are) and backward of the scaled loss; the fit happens inside the backward."""
-    forward = getattr(trainer, "_forward", None) or trainer.ddp or trainer.model
-    with trainer.runtime.autocast():
-        loss = forward(inputs, targets, credit=credit, loss_chunk=trainer.cfg.train.loss_chunk)
-    (loss * scale).backward()
-    return loss
-
-
 class Teacher:
     """Owns a fitted source's optimizer and the per-branch fit metrics of the current teacher update.
 
-    A teacher micro-batch is exact backprop under a credit context (`fit_credit`) whose backward computes the
-    fit's gradient branch by branch; subclasses say which context, and what is left after the backward."""
+    A teacher micro-batch is exact backprop under a credit context (`context`, made by a subclass's `fit_credit`)
+    whose backward computes the fit's gradient branch by branch; the trainer runs it as it runs every micro-batch,
+    and `collect` takes what the backward left in the context's sinks."""
 
     def __init__(self, module: torch.nn.Module, decoders: torch.nn.Parameter, cfg: CreditConfig):
         self.module, self.decoders = module, decoders
@@ -230,20 +180,29 @@ class Teacher:
     def after_backward(self, trainer, credit) -> None:
         """The part of the fit that needs the whole backward first (nothing, unless a subclass says so)."""
 
-    def teach(self, trainer, inputs: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
-        """One exact micro-batch (gradients accumulate into the model) that also fits the source."""
+    def context(self, trainer, inputs: torch.Tensor, scale: float) -> ExactCredit:
+        """The context of one teacher micro-batch: exact backprop whose backward fits the source into sinks."""
         branches = trainer.model.cfg.branches
         stats_sink = torch.zeros(branches, len(STATS), device=inputs.device, dtype=self.dtype, requires_grad=True)
-        moment_sinks = self._moment_sinks(inputs.device)
-        credit = self.fit_credit(trainer, inputs, scale, stats_sink, moment_sinks)
-        loss = exact_pass(trainer, inputs, targets, credit, scale)
-        if stats_sink.grad is None:
+        return self.fit_credit(trainer, inputs, scale, stats_sink, self._moment_sinks(inputs.device))
+
+    def collect(self, trainer, credit) -> None:
+        """After the micro-batch's backward: what its sinks received."""
+        if credit.stats_sink.grad is None:
             raise RuntimeError("the teacher's backward did not reach the branches: no fit")
         self.after_backward(trainer, credit)
-        self.stats.append(stats_sink.grad.detach())
-        if moment_sinks is not None:
-            self.add_moments([sink.grad if sink.grad is not None else torch.zeros_like(sink) for sink in moment_sinks])
-        return loss.detach()
+        self.stats.append(credit.stats_sink.grad.detach())
+        if credit.moment_sinks is not None:
+            self.add_moments([sink.grad if sink.grad is not None else torch.zeros_like(sink)
+                              for sink in credit.moment_sinks])
+
+    def teach(self, trainer, inputs: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
+        """One teacher micro-batch as a training update runs it: this context, the trainer's forward and backward
+        (gradients accumulate into the model), then the collection."""
+        credit = self.context(trainer, inputs, scale)
+        loss = trainer.forward_backward(inputs, targets, credit, scale)
+        self.collect(trainer, credit)
+        return loss
 
     def add_moments(self, moments: list[torch.Tensor]) -> None:
         """Add one micro-batch's [Gram, cross moment] to this update's sums."""
@@ -358,44 +317,3 @@ class LearnedTeacher(Teacher):
         with torch.enable_grad():  # the code's share of the fit gradient, into P and the mean gate
             self.code_objective(self.predictor, credit.error_probe.grad, credit.x_terminal,
                                 credit.code_sink.grad).backward()
-
-
-class DNITeacher(Teacher):
-    """The DNI source's teacher: each branch's regression, from its own input, done where its correction
-    arrives; it also keeps the source's per-branch scale s_b (the running RMS of the true corrections)."""
-
-    def __init__(self, dni, cfg: CreditConfig):
-        super().__init__(dni, dni.decoders, cfg)
-        self.correction_sizes: list[int] = []  # elements of one branch's correction, per micro-batch
-        self.solved: torch.Tensor | None = None  # the effective decoders solved this update (lstsq)
-
-    def fit_credit(self, trainer, inputs, scale, stats_sink, moment_sinks) -> LocalFitCredit:
-        return LocalFitCredit(self.module, scale, stats_sink, self.low_precision, moment_sinks)
-
-    def effective_decoders(self) -> torch.Tensor:
-        return self.module.scales[:, None, None] * self.decoders.detach()
-
-    def set_decoders(self, solved: torch.Tensor) -> None:
-        self.solved = solved  # applied once the scales are updated: D_b = solved_b / s_b
-
-    def teach(self, trainer, inputs, targets, scale: float) -> torch.Tensor:
-        loss = super().teach(trainer, inputs, targets, scale)
-        self.correction_sizes.append(inputs.numel() * trainer.model.cfg.width)
-        return loss
-
-    def step(self) -> dict:
-        true_sq = torch.stack([s[:, STATS.index("true_sq")] for s in self.stats]).double()  # (micro, branches)
-        sizes = torch.tensor(self.correction_sizes, dtype=torch.float64, device=true_sq.device)[:, None]
-        rms = (true_sq / sizes).mean(0).sqrt()
-        if dist.is_available() and dist.is_initialized():  # the same scales on every rank
-            dist.all_reduce(rms, op=dist.ReduceOp.AVG)
-        self.correction_sizes = []
-        summary = super().step()  # applies the gradients computed with the scales they were computed under
-        self.module.track_scales(rms.to(self.module.scales.dtype))
-        if self.solved is not None:
-            with torch.no_grad():
-                scales = self.module.scales.double()[:, None, None]
-                decoders = torch.where(scales > 0, self.solved / scales.clamp_min(1e-300), self.decoders.double())
-                self.decoders.copy_(decoders.to(self.decoders.dtype))
-            self.solved = None
-        return summary
