@@ -1,5 +1,7 @@
 """Interface checks of the credit path, in float64 on the CPU. Each returns what it measured and a verdict.
 
+* omission: the synthetic backward leaves out exactly the 16 intended input-gradient products (each block's Q/K/V
+  projection and MLP expansion), counted by which weights the backward's matrix products read;
 * oracle: with the true corrections injected, every trunk parameter's gradient equals native backprop;
 * zero: with nothing injected, some gradient differs (so the oracle check can fail);
 * mutation: dropping one branch's correction breaks exactly the groups upstream of that branch;
@@ -17,6 +19,7 @@ import copy
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from creditlab.config import CreditConfig, ModelConfig
 from creditlab.credit.predictor import LearnedSource, Predictor, StateCredit, TypedSource, decode_all
@@ -66,6 +69,56 @@ def _rel_errors(got: dict, ref: dict) -> dict[str, float]:
         diff = (got[name] - r).norm().item()
         out[name] = diff / denom if denom > 0 else diff
     return out
+
+
+class _WeightReads(TorchDispatchMode):
+    """Records the parameters that matrix products read. In a backward pass a linear map's weight is read only
+    by its input-gradient product dY W (its weight gradient dY^T n reads the activations), so the weights read
+    are exactly the input-gradient products computed."""
+
+    PRODUCTS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addmv", "mv")
+
+    def __init__(self, params: dict[int, str]):
+        super().__init__()
+        self.params, self.read = params, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.PRODUCTS:
+            for a in args:
+                if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in self.params:
+                    self.read.add(self.params[a.untyped_storage().data_ptr()])
+        return func(*args, **(kwargs or {}))
+
+
+def products_read_in_backward(model: GPT, idx, targets, credit) -> set[str]:
+    """The parameters whose input-gradient products the backward under `credit` computes."""
+    params = {p.untyped_storage().data_ptr(): name for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    loss = model(idx, targets, credit=credit)
+    reads = _WeightReads(params)
+    with reads:
+        loss.backward()
+    return reads.read
+
+
+def intended_omission(model: GPT) -> set[str]:
+    """The weights whose input-gradient products the synthetic backward must omit: Q/K/V and MLP expansion."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return {names[id(lin.weight)] for lin in model.branch_modules()}
+
+
+def omission_check(cfg: ModelConfig, seed: int, synthetic=None) -> dict:
+    """Native backprop reads every weight in its backward; the synthetic backward (`zero` unless another context
+    factory is given) must read all but the 16 intended ones: no more omitted, no fewer."""
+    model = randomized_model(cfg, seed)
+    idx, targets = _batch(cfg, seed)
+    native = products_read_in_backward(model, idx, targets, ExactCredit())
+    omitting = products_read_in_backward(model, idx, targets, (synthetic or ZeroSource().step)())
+    omitted, expected = native - omitting, intended_omission(model)
+    return {"omitted": len(omitted), "expected": len(expected),
+            "omitted_but_not_intended": sorted(omitted - expected),
+            "intended_but_computed": sorted(expected - omitted),
+            "passed": omitted == expected and omitting <= native}
 
 
 @dataclass
@@ -217,12 +270,14 @@ def randomized_predictor(cfg: ModelConfig, seed: int, rank: int = 4, cls=Predict
 def run_all(configs: dict[str, ModelConfig], seeds: list[int]) -> dict:
     """Every check on every config and seed; JSON-ready, with an overall verdict."""
     groups, zero_differs, mutation_caught, runs = [], True, True, []
-    streaming_ok, linear, causal = True, [], []
+    streaming_ok, linear, causal, omissions = True, [], [], []
     for label, cfg in configs.items():
         for seed in seeds:
             r = oracle_checks(cfg, seed)
+            omissions.append(omission_check(cfg, seed))
             runs.append({"config": label, "seed": seed, "max_rel_err": r["max_rel_err"],
-                         "zero_max_rel_err": r["zero_max_rel_err"], "mutation": r["mutation"]})
+                         "zero_max_rel_err": r["zero_max_rel_err"], "mutation": r["mutation"],
+                         "omission": omissions[-1]})
             groups += [{"name": f"{label}/seed{seed}/{gr['name']}", "rel_err": gr["rel_err"]} for gr in r["groups"]]
             zero_differs &= r["zero_max_rel_err"] > 1e-6
             mutation_caught &= r["mutation"]["caught"]
@@ -238,6 +293,8 @@ def run_all(configs: dict[str, ModelConfig], seeds: list[int]) -> dict:
     result = {
         "oracle": {"groups": groups, "max_rel_err": max_err, "passed": max_err <= TOLERANCE,
                    "groups_per_model": {label: len(list(GPT.trunk_parameters(_meta(cfg)))) for label, cfg in configs.items()}},
+        "omission": {"omitted": [o["omitted"] for o in omissions], "expected": [o["expected"] for o in omissions],
+                     "passed": all(o["passed"] for o in omissions)},
         "zero_differs": zero_differs,
         "mutation_caught": mutation_caught,
         "streaming": {"passed": streaming_ok},
@@ -246,7 +303,7 @@ def run_all(configs: dict[str, ModelConfig], seeds: list[int]) -> dict:
                            "passed": all(r["passed"] for r in causal)},
         "runs": runs,
     }
-    result["passed"] = bool(result["oracle"]["passed"] and zero_differs and mutation_caught and streaming_ok
+    result["passed"] = bool(result["oracle"]["passed"] and result["omission"]["passed"] and zero_differs and mutation_caught and streaming_ok
                             and result["linearity"]["passed"] and result["reverse_causal"]["passed"])
     return result
 

@@ -327,7 +327,7 @@ def validate(cfg: Config) -> None:
         except ValueError as exc:
             problems.append(f"credit.schedule: {exc}")
         else:
-            if c.schedule.startswith("adaptive") and not source.fits:
+            if c.schedule.startswith("adaptive") and not source.fits_with(cfg):
                 problems.append(f"credit.schedule={c.schedule}: adapts to the fit measured on teacher updates, and "
                                 f"credit.source={c.source} fits nothing; use fixed:K or warmup:N,K")
     if c.fit_precision not in ("auto", "float32"):

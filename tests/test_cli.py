@@ -93,6 +93,10 @@ def test_unknown_section_exits_2_and_lists_every_key(capsys):
     (["train", "--set", "model.width=66", "--set", "model.heads=4", "--no-record"], "divisible"),
     (["train", "--preset", "huge", "--no-record"], "unknown preset"),
     (["flops", "--set", "model.layers"], "section.key=value"),
+    (["train", "--set", "credit.source=fdfb", "--no-record"], "unknown credit source 'fdfb'; valid: exact, "),
+    (["train", "--set", "credit.schedule=sometimes", "--no-record"], "unknown schedule 'sometimes'; valid: fixed"),
+    (["train", "--set", "credit.schedule=warmup:x", "--no-record"], "arguments must be integers"),
+    (["train", "--set", "credit.source=zero", "--set", "credit.schedule=adaptive", "--no-record"], "fits nothing"),
 ])
 def test_config_errors_exit_2_with_the_reason(argv, fragment, capsys):
     assert cli.main(argv) == 2

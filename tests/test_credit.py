@@ -14,7 +14,7 @@ from creditlab.credit.predictor import LearnedSource, Predictor, TypedSource, de
 from creditlab.credit.feedback import DFASource
 from creditlab.credit import make_source
 from creditlab.credit.dni import DNISource
-from creditlab.credit.sources import InjectCredit, RecordCredit, ZeroSource
+from creditlab.credit.sources import InjectCredit, OmitCredit, RecordCredit, ZeroSource
 from creditlab.credit.teacher import LearnedTeacher
 from creditlab.data import SyntheticLoader
 from creditlab.flops import flop_budget
@@ -51,6 +51,36 @@ def test_synthetic_backward_skips_exactly_the_sixteen_input_products():
     tokens = idx.numel()
     omitted = flop_budget(SMALL).omitted_per_token * tokens  # the FLOP accounting's omitted term, exactly
     assert exact_flops - zero_flops == omitted
+
+
+class _GateInsteadOfQKV(OmitCredit):
+    """A wrong omission of the same count: the attention branches keep Q/K/V's input product, and (with
+    nn.Linear patched below, from the moment this context exists) the attention gate's is dropped instead."""
+
+    made = False
+
+    def __init__(self):
+        _GateInsteadOfQKV.made = True
+
+    def branch(self, index, n):
+        return n if index % 2 == 0 else n.detach()
+
+
+def test_check_counts_which_products_are_omitted_not_only_how_many(monkeypatch):
+    right = checks.omission_check(SMALL, 0)
+    assert right["passed"] and right["omitted"] == right["expected"] == 16
+    assert checks.omission_check(SMALL, 0, synthetic=ExactCredit)["intended_but_computed"]  # omits nothing
+    linear = torch.nn.Linear.forward
+
+    def gate_reads_detached(self, x):  # the attention gate is the only linear map of gate_dim inputs
+        wrong = _GateInsteadOfQKV.made and self.in_features == SMALL.gate_dim
+        return linear(self, x.detach() if wrong else x)
+
+    monkeypatch.setattr(torch.nn.Linear, "forward", gate_reads_detached)
+    wrong = checks.omission_check(SMALL, 0, synthetic=_GateInsteadOfQKV)
+    assert wrong["omitted"] == 16 and not wrong["passed"]  # a count alone would have passed it
+    assert all(name.endswith("attn.gate.weight") for name in wrong["omitted_but_not_intended"])
+    assert all(name.endswith("attn.qkv.weight") for name in wrong["intended_but_computed"])
 
 
 def test_weight_gradients_of_omitted_products_stay_exact():

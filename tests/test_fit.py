@@ -18,8 +18,8 @@ OVERRIDES = [f"model.{k}={v}" for k, v in vars(MODEL).items()] + [
     "credit.rank=4", "credit.fit_precision=float32"]
 
 
-def _setup(source: str, fit: str = "lstsq", seed: int = 3):
-    cfg = config.load("tiny", OVERRIDES + [f"credit.source={source}", f"credit.fit={fit}"])
+def _setup(source: str, fit: str = "lstsq", seed: int = 3, extra: tuple[str, ...] = ()):
+    cfg = config.load("tiny", OVERRIDES + [f"credit.source={source}", f"credit.fit={fit}", *extra])
     model = randomized_model(cfg.model, seed)
     g = torch.Generator().manual_seed(seed)
     batches = [torch.randint(0, MODEL.vocab_size, (2, MODEL.seq_len + 1), generator=g) for _ in range(4)]
@@ -140,3 +140,30 @@ def test_lstsq_reaches_the_seed_familys_ceiling_within_a_few_teacher_updates():
     assert full >= ceiling, (full, ceiling)  # any linear map of the token's own error, held out
     assert reached >= 0.95 * ceiling, (reached, ceiling)
     assert mutated < 0.95 * ceiling, (mutated, ceiling)  # the comparison can fail
+
+
+def test_calibrated_dfa_takes_the_rms_of_the_true_corrections():
+    """After one teacher update s_b = |c_b| / |e B_b| (the RMS ratio over the same tokens), and the report's
+    cosine is that of e B_b with c_b, both against a plain float64 computation; B_b's transpose (the other
+    orientation of the map) gives other cosines, which the comparison catches."""
+    trainer, batches = _setup("dfa", fit="adam", extra=("credit.dfa_scale=calibrated",))
+    batch = batches[0]
+    tap = TerminalTapCredit()
+    loss = trainer.model(batch[:, :-1], batch[:, 1:], credit=tap)
+    e, *corrections = torch.autograd.grad(loss, [tap.x_terminal, *tap.inputs])
+    B = trainer.source.feedback
+    predicted = [e @ B[b] for b in range(len(corrections))]
+    ratio = torch.stack([c.norm() / p.norm() for c, p in zip(corrections, predicted)])
+    cosine = torch.stack([(c * p).sum() / (c.norm() * p.norm()) for c, p in zip(corrections, predicted)])
+    wrong = torch.stack([(c * (e @ B[b].t())).sum() / (c.norm() * (e @ B[b].t()).norm())
+                         for b, c in enumerate(corrections)])
+    model_before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    row = trainer.train_update()
+    assert row.kind == "teacher"
+    torch.testing.assert_close(trainer.source.scales, ratio, rtol=1e-10, atol=0)
+    got = torch.tensor([row.fit["fit_branches"][str(b)]["cosine"] for b in range(len(corrections))],
+                       dtype=torch.float64)
+    torch.testing.assert_close(got, cosine, rtol=1e-8, atol=1e-12)
+    assert not torch.allclose(got, wrong, rtol=1e-3)
+    assert any(not torch.equal(v, model_before[k]) for k, v in trainer.model.state_dict().items())  # exact update
+    assert trainer.train_update().kind == "synthetic"

@@ -1,7 +1,8 @@
 """Feedback sources: every branch's correction is a full linear map of the token's own terminal error,
 c_{b,t} = e_t M_b with M_b (d, d), decoded in the backward only.
 
-* `dfa`: M_b fixed and random (direct feedback alignment).
+* `dfa`: M_b fixed and random (direct feedback alignment); with credit.dfa_scale=calibrated, scaled per branch so
+  that its corrections have the RMS of the true ones, measured on teacher updates.
 * `fitted_feedback`: M_b = D_b^T, the least-squares map from e to the true correction c_b, solved from statistics
   streamed on teacher updates: the Gram E^T E of the terminal error (d, d, shared by all branches) and the cross
   moments C_b^T E (d, d per branch). It is the `full` family of the fit ceiling (ceiling.py), made a source.
@@ -15,11 +16,12 @@ and passes e on. The forward pays for nothing but views: no product the backward
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from creditlab.config import Config, CreditConfig
-from creditlab.credit.sources import CreditSource, FittedSource, OmitCredit
-from creditlab.credit.teacher import Teacher, _fit_dtypes, wide_product
+from creditlab.credit.sources import FittedSource, OmitCredit
+from creditlab.credit.teacher import STATS, Teacher, Teaching, _fit_dtypes, summarize_stats, wide_product
 from creditlab.model import ExactCredit
 
 
@@ -69,24 +71,6 @@ class FeedbackCredit(OmitCredit):
         return x if self.carrier is None else _Pass.apply(x, self.carrier)
 
 
-class DFASource(CreditSource):
-    """Direct feedback alignment (Launay et al. 2020 style): c_b = e B_b with fixed seeded random B_b."""
-
-    name, omits = "dfa", True
-
-    def __init__(self, width: int, branches: int, seed: int):
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.register_buffer("feedback", torch.randn(branches, width, width, generator=g) * width ** -0.5)
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> "DFASource":
-        return cls(cfg.model.width, cfg.model.branches, cfg.credit.feedback_seed)
-
-    def step(self) -> FeedbackCredit:
-        return FeedbackCredit(lambda b: self.feedback[b])
-
-
 # ---- the fitted feedback and its teacher --------------------------------------------------------------------
 
 class _FitFeedback(torch.autograd.Function):
@@ -125,6 +109,36 @@ class FeedbackFitCredit(ExactCredit):
         return x + self.error_probe.to(x.dtype)  # the probe's gradient is e, for the Gram
 
 
+def moment_context(trainer, inputs: torch.Tensor, branches: int, width: int, dtype: torch.dtype,
+                   low_precision: bool, scale: float) -> FeedbackFitCredit:
+    """A teacher micro-batch's context that streams the moments of every branch's true correction with e."""
+    sink = dict(device=inputs.device, dtype=torch.float32 if dtype != torch.float64 else torch.float64,
+                requires_grad=True)
+    cross_sink, true_sq_sink = torch.zeros(branches, width, width, **sink), torch.zeros(branches, **sink)
+    probe_dtype = trainer.runtime.autocast_dtype or dtype
+    error_probe = torch.zeros(*inputs.shape, width, **sink | {"dtype": probe_dtype})
+    return FeedbackFitCredit(cross_sink, true_sq_sink, error_probe, low_precision, scale)
+
+
+def streamed_moments(credit: FeedbackFitCredit) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """After the backward: the Gram E^T E (d, d), the cross moments C_b^T E (branches, d, d) and |C_b|^2."""
+    if credit.cross_sink.grad is None or credit.error_probe.grad is None:
+        raise RuntimeError("the teacher's backward did not reach the branches and the tap: no fit")
+    e = credit.error_probe.grad.flatten(0, 1)
+    gram = wide_product(e.t(), e, *_fit_dtypes(e, credit.low_precision)).to(credit.cross_sink.dtype)
+    return gram, credit.cross_sink.grad, credit.true_sq_sink.grad
+
+
+def feedback_stats(D: torch.Tensor, gram: torch.Tensor, cross: torch.Tensor, true_sq: torch.Tensor) -> torch.Tensor:
+    """The columns of teacher.STATS for the prediction c_t = D_b e_t (D: branches, d, d), from the moments:
+    |pred|^2 = tr(D G D^T) and <pred, c> = <D, X>."""
+    D = D.to(gram.dtype)
+    pred_sq = torch.einsum("bdk,kl,bdl->b", D, gram, D)
+    dot = (D * cross).sum((1, 2))
+    weight = torch.where(true_sq > 0, 1.0 / true_sq.clamp_min(1e-300), torch.zeros_like(true_sq))
+    return torch.stack([(pred_sq - 2 * dot + true_sq) * weight, dot, pred_sq, true_sq], dim=1)
+
+
 class FittedFeedbackSource(FittedSource):
     """c_b = D_b e: a full (d, d) map per branch from the terminal error, fitted on teacher updates."""
 
@@ -156,34 +170,16 @@ class FeedbackTeacher(Teacher):
 
     def context(self, trainer, inputs, scale: float) -> FeedbackFitCredit:
         branches, d, _ = self.decoders.shape
-        sink = dict(device=inputs.device, dtype=torch.float32 if self.dtype != torch.float64 else torch.float64,
-                    requires_grad=True)
-        cross_sink, true_sq_sink = torch.zeros(branches, d, d, **sink), torch.zeros(branches, **sink)
-        probe_dtype = trainer.runtime.autocast_dtype or self.dtype
-        error_probe = torch.zeros(*inputs.shape, d, **sink | {"dtype": probe_dtype})
-        return FeedbackFitCredit(cross_sink, true_sq_sink, error_probe, self.low_precision, scale)
+        return moment_context(trainer, inputs, branches, d, self.dtype, self.low_precision, scale)
 
     def collect(self, trainer, credit: FeedbackFitCredit) -> None:
-        if credit.cross_sink.grad is None or credit.error_probe.grad is None:
-            raise RuntimeError("the teacher's backward did not reach the branches and the tap: no fit")
         branches, d, _ = self.decoders.shape
-        e = credit.error_probe.grad.flatten(0, 1)
-        gram = wide_product(e.t(), e, *_fit_dtypes(e, self.low_precision)).to(credit.cross_sink.dtype)
-        cross, true_sq = credit.cross_sink.grad, credit.true_sq_sink.grad
-        self.stats.append(self._stats(gram, cross, true_sq))
+        gram, cross, true_sq = streamed_moments(credit)
+        self.stats.append(feedback_stats(self.decoders.detach(), gram, cross, true_sq).to(self.dtype))
         if self.closed_form:  # Teacher.solve's layout: one Gram per branch (here all the same)
             self.add_moments([gram.expand(branches, d, d).clone(), cross.clone()])
         else:
             self._accumulate_gradient(gram, cross, true_sq, credit.scale)
-
-    def _stats(self, gram, cross, true_sq) -> torch.Tensor:
-        D = self.decoders.detach().to(gram.dtype)
-        pred_sq = torch.einsum("bdk,kl,bdl->b", D, gram, D)
-        dot = (D * cross).sum((1, 2))
-        weight = torch.where(true_sq > 0, 1.0 / true_sq.clamp_min(1e-300), torch.zeros_like(true_sq))
-        # the columns of teacher.STATS
-        stats = torch.stack([(pred_sq - 2 * dot + true_sq) * weight, dot, pred_sq, true_sq], dim=1)
-        return stats.to(self.dtype)
 
     def _accumulate_gradient(self, gram, cross, true_sq, scale: float) -> None:
         D = self.decoders.detach().to(gram.dtype)
@@ -192,4 +188,93 @@ class FeedbackTeacher(Teacher):
         self.decoders.grad = grad if self.decoders.grad is None else self.decoders.grad + grad
 
 
-__all__ = ["DFASource", "FeedbackCredit", "FittedFeedbackSource", "FeedbackTeacher", "FeedbackFitCredit"]
+# ---- direct feedback alignment, and its calibration ---------------------------------------------------------
+
+class DFASource(FittedSource):
+    """Direct feedback alignment (Launay et al. 2020 style): c_b = s_b e B_b with fixed seeded random B_b.
+
+    s_b = 1 as drawn (credit.dfa_scale=none: no teacher updates). Calibrated, s_b is the running ratio of the
+    RMS of branch b's true corrections to the RMS of e B_b, both measured on teacher updates: random feedback
+    then injects corrections of the right size, whatever their direction. Only teacher updates need the
+    measurement; the synthetic step is the same chain either way."""
+
+    name, omits = "dfa", True
+
+    def __init__(self, width: int, branches: int, seed: int, credit: CreditConfig | None = None):
+        super().__init__(credit or CreditConfig())
+        self.fits = self.credit_cfg.dfa_scale == "calibrated"
+        g = torch.Generator().manual_seed(seed)
+        self.register_buffer("feedback", torch.randn(branches, width, width, generator=g) * width ** -0.5)
+        self.register_buffer("scales", torch.ones(branches))
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "DFASource":
+        return cls(cfg.model.width, cfg.model.branches, cfg.credit.feedback_seed, cfg.credit)
+
+    @classmethod
+    def fits_with(cls, cfg: Config) -> bool:
+        return cfg.credit.dfa_scale == "calibrated"
+
+    def step(self) -> FeedbackCredit:
+        if not self.fits:
+            return FeedbackCredit(lambda b: self.feedback[b])
+        return FeedbackCredit(lambda b: self.scales[b] * self.feedback[b])
+
+    def make_teacher(self):
+        return DFACalibration(self, self.credit_cfg)
+
+
+class DFACalibration(Teaching):
+    """The teacher of calibrated DFA: it fits nothing but s_b. From the streamed moments (as the fitted feedback's
+    teacher streams them) it has, per branch, |c_b|^2, |e B_b|^2 = tr(B_b^T G B_b) and <c_b, e B_b>; so the fit
+    report (error and cosine of the injected s_b e B_b) costs nothing more. s_b follows the RMS ratio with
+    momentum, the first measurement taken whole (as DNI's scales)."""
+
+    MOMENTUM = 0.9
+
+    def __init__(self, source: DFASource, cfg: CreditConfig):
+        self.source, self.low_precision = source, cfg.fit_precision == "auto"
+        self.stats: list[torch.Tensor] = []  # at the unit scale, per micro-batch
+        self.calibrated = False
+
+    def context(self, trainer, inputs, scale: float) -> FeedbackFitCredit:
+        branches, d, _ = self.source.feedback.shape
+        return moment_context(trainer, inputs, branches, d, self.source.feedback.dtype, self.low_precision, scale)
+
+    def collect(self, trainer, credit: FeedbackFitCredit) -> None:
+        gram, cross, true_sq = streamed_moments(credit)
+        self.stats.append(feedback_stats(self.source.feedback.transpose(1, 2), gram, cross, true_sq))
+
+    @torch.no_grad()
+    def step(self) -> dict:
+        unit = torch.stack(self.stats).double()  # (micro-batches, branches, len(STATS)) at s_b = 1
+        self.stats = []
+        true_sq, pred_sq = unit[..., STATS.index("true_sq")].sum(0), unit[..., STATS.index("pred_sq")].sum(0)
+        if dist.is_available() and dist.is_initialized():  # the same scales on every rank
+            both = torch.stack([true_sq, pred_sq])
+            dist.all_reduce(both, op=dist.ReduceOp.SUM)
+            true_sq, pred_sq = both
+        s = self.source.scales.double()
+        # the report: the corrections injected until now, s_b e B_b, against the true ones
+        at_scale = unit.clone()
+        dot, pred = STATS.index("pred_dot_true"), STATS.index("pred_sq")
+        at_scale[..., dot] *= s
+        at_scale[..., pred] *= s * s
+        weight = torch.where(unit[..., 3] > 0, 1.0 / unit[..., 3].clamp_min(1e-300), torch.zeros_like(unit[..., 3]))
+        at_scale[..., 0] = (at_scale[..., pred] - 2 * at_scale[..., dot] + unit[..., 3]) * weight
+        summary = summarize_stats(list(at_scale))
+        measured = torch.where(pred_sq > 0, (true_sq / pred_sq.clamp_min(1e-300)).sqrt(), s)
+        blended = measured if not self.calibrated else self.MOMENTUM * s + (1 - self.MOMENTUM) * measured
+        self.source.scales.copy_(blended.to(self.source.scales.dtype))
+        self.calibrated = True
+        return summary | {"scales": [float(x) for x in self.source.scales]}
+
+    def state_dict(self) -> dict:
+        return {"calibrated": self.calibrated}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calibrated = state["calibrated"]
+
+
+__all__ = ["DFASource", "DFACalibration", "FeedbackCredit", "FittedFeedbackSource", "FeedbackTeacher",
+           "FeedbackFitCredit", "feedback_stats", "moment_context", "streamed_moments"]

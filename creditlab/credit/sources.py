@@ -124,6 +124,11 @@ class CreditSource(nn.Module):
         return cls()
 
     @classmethod
+    def fits_with(cls, cfg: Config) -> bool:
+        """Whether the source, built from `cfg`, has teacher updates."""
+        return cls.fits
+
+    @classmethod
     def config_problems(cls, cfg: Config) -> list[str]:
         """What in `cfg` this source cannot run with (checked when the config is built)."""
         return []

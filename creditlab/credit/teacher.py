@@ -145,7 +145,41 @@ def code_objective(predictor, e: torch.Tensor, x_terminal: torch.Tensor, code_gr
     return (predictor.code(e, a, a_rev) * code_grad.to(dtype)).sum()
 
 
-class Teacher:
+def summarize_stats(stats: list[torch.Tensor]) -> dict:
+    """One update's fit report from its micro-batches' statistics (branches, len(STATS)) each: per branch the
+    normalized error (mean over micro-batches) and the cosine (of the sums)."""
+    if not stats:
+        return {"fit_error": math.nan, "fit_cosine": math.nan, "fit_branches": {}}
+    s = torch.stack(stats).double().cpu()  # (micro-batches, branches, len(STATS))
+    signal = s[..., 3] > 0  # micro-batches whose true correction was not exactly zero
+    count = signal.sum(0)
+    error = torch.where(count > 0, (s[..., 0] * signal).sum(0) / count.clamp_min(1), float("nan"))
+    cosine = torch.where(count > 0, s[..., 1].sum(0) / (s[..., 2].sum(0) * s[..., 3].sum(0)).sqrt().clamp_min(
+        1e-300), float("nan"))
+    branches = {str(b): {"error": float(error[b]), "cosine": float(cosine[b])} for b in range(s.shape[1])}
+    # NaN when no branch had a non-zero true correction (zero-initialized projections): nothing to fit yet.
+    return {"fit_error": float(error.nanmean()), "fit_cosine": float(cosine.nanmean()), "fit_branches": branches}
+
+
+class Teaching:
+    """What the trainer asks of a teacher: a micro-batch's `context`, and `collect` after its backward."""
+
+    def context(self, trainer, inputs: torch.Tensor, scale: float) -> ExactCredit:
+        raise NotImplementedError
+
+    def collect(self, trainer, credit) -> None:
+        raise NotImplementedError
+
+    def teach(self, trainer, inputs: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
+        """One teacher micro-batch as a training update runs it: this context, the trainer's forward and backward
+        (gradients accumulate into the model), then the collection."""
+        credit = self.context(trainer, inputs, scale)
+        loss = trainer.forward_backward(inputs, targets, credit, scale)
+        self.collect(trainer, credit)
+        return loss
+
+
+class Teacher(Teaching):
     """Owns a fitted source's optimizer and the per-branch fit metrics of the current teacher update.
 
     A teacher micro-batch is exact backprop under a credit context (`context`, made by a subclass's `fit_credit`)
@@ -195,14 +229,6 @@ class Teacher:
         if credit.moment_sinks is not None:
             self.add_moments([sink.grad if sink.grad is not None else torch.zeros_like(sink)
                               for sink in credit.moment_sinks])
-
-    def teach(self, trainer, inputs: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
-        """One teacher micro-batch as a training update runs it: this context, the trainer's forward and backward
-        (gradients accumulate into the model), then the collection."""
-        credit = self.context(trainer, inputs, scale)
-        loss = trainer.forward_backward(inputs, targets, credit, scale)
-        self.collect(trainer, credit)
-        return loss
 
     def add_moments(self, moments: list[torch.Tensor]) -> None:
         """Add one micro-batch's [Gram, cross moment] to this update's sums."""
@@ -269,18 +295,9 @@ class Teacher:
         self.decoders.copy_(solved.to(self.decoders.dtype))
 
     def summarize(self) -> dict:
-        if not self.stats:
-            return {"fit_error": math.nan, "fit_cosine": math.nan, "fit_branches": {}}
-        s = torch.stack(self.stats).double().cpu()  # (micro-batches, branches, len(STATS))
+        summary = summarize_stats(self.stats)
         self.stats = []
-        signal = s[..., 3] > 0  # micro-batches whose true correction was not exactly zero
-        count = signal.sum(0)
-        error = torch.where(count > 0, (s[..., 0] * signal).sum(0) / count.clamp_min(1), float("nan"))
-        cosine = torch.where(count > 0, s[..., 1].sum(0) / (s[..., 2].sum(0) * s[..., 3].sum(0)).sqrt().clamp_min(
-            1e-300), float("nan"))
-        branches = {str(b): {"error": float(error[b]), "cosine": float(cosine[b])} for b in range(s.shape[1])}
-        # NaN when no branch had a non-zero true correction (zero-initialized projections): nothing to fit yet.
-        return {"fit_error": float(error.nanmean()), "fit_cosine": float(cosine.nanmean()), "fit_branches": branches}
+        return summary
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "moments": self.moments}
