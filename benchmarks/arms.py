@@ -49,6 +49,13 @@ ARMS = {
     "teacher_typed": ["credit.source=typed", "credit.teacher_every=1", "credit.fit=lstsq"],
     "teacher_feedback": ["credit.source=fitted_feedback", "credit.teacher_every=1", "credit.fit=lstsq"],
     "native_plain": ["credit.source=exact", "model.recompute=none"],
+    "dfa_calibrated": ["credit.source=dfa", "credit.dfa_scale=calibrated", "credit.teacher_every=0"],
+    "teacher_dfa_calibrated": ["credit.source=dfa", "credit.dfa_scale=calibrated", "credit.teacher_every=1"],
+    "fdfa": ["credit.source=fdfa", "credit.teacher_every=0"],
+    "teacher_fdfa": ["credit.source=fdfa", "credit.teacher_every=1"],  # exact backward + the forward-mode pass
+    "sketch16": ["credit.source=sketch", "credit.sketch_rank=16"],
+    "sketch32": ["credit.source=sketch", "credit.sketch_rank=32"],
+    "sketch64": ["credit.source=sketch", "credit.sketch_rank=64"],
 }
 
 

@@ -1,13 +1,15 @@
 """Arms: a credit source plus a schedule plus overrides, by name.
 
 An arm spec is a name, optionally with overrides of its own joined by '@':
-`learned`, `learned@credit.teacher_every=2`, `dfa@credit.feedback_seed=7`. The spec is the arm's label in
+`learned`, `learned@credit.schedule=adaptive`, `sketch@credit.sketch_rank=16`, `zero@credit.schedule=fixed:4`
+(one native update in four, nothing injected in the others). The spec is the arm's label in
 records and reports. `intermittent` is native backprop given the GPU-seconds of a reference arm (compare.py
 derives its number of updates); it is built from the same parts as `native`, not special training code.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from creditlab import config as config_mod
@@ -30,7 +32,12 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in (
                                            "[m ; p], MLP: p of rank 2r)"),
     Arm("fitted_feedback", ("credit.source=fitted_feedback",), "a full least-squares map of the terminal error "
                                                                 "per branch, fitted on teacher updates"),
-    Arm("dfa", ("credit.source=dfa",), "fixed random feedback of the terminal error"),
+    Arm("dfa", ("credit.source=dfa",), "fixed random feedback of the terminal error (calibrated to the true "
+                                       "corrections' RMS on teacher updates with credit.dfa_scale=calibrated)"),
+    Arm("fdfa", ("credit.source=fdfa",), "feedback operators estimated from forward-mode directional derivatives "
+                                         "(no true gradients), on the schedule's exact updates"),
+    Arm("sketch", ("credit.source=sketch",), "the omitted product itself through a rank-k factor of its weight "
+                                             "(credit.sketch_rank)"),
     Arm("dni", ("credit.source=dni",), "predicted from each branch's own state, fitted on teacher updates"),
     Arm("intermittent", ("credit.source=exact",), "native backprop, fewer updates at the reference arm's "
                                                   "GPU-seconds, its schedule fully decayed", budgeted=True),
@@ -60,7 +67,9 @@ def parse_arm(text: str) -> ArmSpec:
 
 
 def parse_arms(text: str) -> list[ArmSpec]:
-    specs = [parse_arm(part) for part in text.split(",") if part.strip()]
+    # A comma before a digit belongs to an override's value (`learned@credit.schedule=warmup:20,4`): arm names
+    # start with a letter.
+    specs = [parse_arm(part) for part in re.split(r",(?!\s*\d)", text) if part.strip()]
     if not specs:
         raise config_mod.ConfigError("--arms needs at least one arm, e.g. --arms native,zero,learned")
     labels = [s.label for s in specs]

@@ -96,12 +96,20 @@ def test_intermittent_budget_arithmetic(tmp_path):
     (["--arms", "native,telepathy"], "unknown arm"),
     (["--arms", "learned,intermittent"], "intermittent needs the arms native"),
     (["--arms", "native,native"], "given twice"),
+    (["--arms", "native,learned@credit.schedule=often"], "unknown schedule 'often'"),
 ])
 def test_compare_refuses_bad_input_with_one_line(argv, message, tmp_path, capsys):
     code = cli.main(["compare", "--preset", "tiny", "--out", str(tmp_path / "c"), *argv])
     err = capsys.readouterr().err.strip()
     assert code == 2 and message in err and len(err.splitlines()) == 1
     assert not (tmp_path / "c").exists()
+
+
+def test_an_arms_override_may_hold_commas_before_digits():
+    specs = parse_arms("native,learned@credit.schedule=warmup:20,4,zero@credit.schedule=fixed:4,learned")
+    assert [s.label for s in specs] == ["native", "learned@credit.schedule=warmup:20,4",
+                                        "zero@credit.schedule=fixed:4", "learned"]
+    assert specs[1].overrides[-1] == "credit.schedule=warmup:20,4"
 
 
 def test_compare_refuses_an_existing_folder(tmp_path, capsys):
