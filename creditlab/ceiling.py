@@ -16,12 +16,15 @@ Families (r = credit.rank):
   full         e_t itself: any linear map of the token's own terminal error (d features): `fitted_feedback`
   trained      the configured `learned` or `typed` source's own P, gates and decoders, scored as they are
   trained_refit  its P and gates, least-squares decoders
+  sketchK      (with --sketch) the `sketch` source at rank K: c_b V_b V_b^T, V_b the leading K right singular
+               vectors of W_b at this state (just after a refresh); nothing fitted
 The ceiling separates "the fit is poor" (trained far below trained_refit) from "the family cannot represent
 the correction" (trained_refit, or seed, far below full).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import json
@@ -36,11 +39,13 @@ from creditlab import config as config_mod
 from creditlab.config import Config, CreditConfig, ModelConfig
 from creditlab.credit.feedback import FittedFeedbackSource
 from creditlab.credit.predictor import LearnedSource, Predictor, TypedPredictor
+from creditlab.credit.sketch import leading_basis
 from creditlab.credit.sources import TerminalTapCredit
 from creditlab.model import GPT
 
 RIDGES = (0.0, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)  # relative to the Gram's mean diagonal
 FAMILIES = ("seed", "seed_nogate", "seed_rank4x", "typed", "full", "trained", "trained_refit")
+SKETCH_RANKS = (16, 32, 64)  # `--sketch` without ranks; each capped at the width
 
 
 # ---- recording one micro-batch -----------------------------------------------------------------------------
@@ -107,6 +112,32 @@ class FullFamily:
     def features(self, rec: Recorded):
         shared = rec.e.double().flatten(0, 1)
         return lambda b: shared
+
+
+class SketchFamily:
+    """The sketched product at rank k, as a family with fixed decoders V_b and features c_b V_b.
+
+    The sketch (dY_b W_b V_b) V_b^T, with W_b V_b taken from the current weight as the source takes it, is the true
+    correction projected onto span(V_b), c_b V_b V_b^T, since c_b = dY_b W_b exactly. So its features come from
+    the recorded corrections and no output gradient dY_b (wider than c_b) needs recording."""
+
+    shared = False
+
+    def __init__(self, bases: torch.Tensor):
+        self.decoders = bases  # (branches, d, k) float64, orthonormal columns
+        self.size = bases.shape[-1]
+
+    def features(self, rec: Recorded):
+        return lambda b: rec.corrections[b].double().flatten(0, 1) @ self.decoders[b]
+
+
+def sketch_families(model: GPT, ranks) -> dict:
+    """`sketchK` for each rank K, capped at the width (duplicates dropped); one SVD per branch serves all."""
+    ranks = sorted({min(int(k), model.cfg.width) for k in ranks})
+    if not ranks:
+        return {}
+    bases = torch.stack([leading_basis(lin.weight.double(), ranks[-1]) for lin in model.branch_modules()])
+    return {f"sketch{k}": SketchFamily(bases[..., :k].contiguous()) for k in ranks}
 
 
 def principal_projection(second_moment: torch.Tensor, rank: int) -> torch.Tensor:
@@ -248,8 +279,10 @@ class Ceiling:
 
 
 def ceiling(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]], credit: CreditConfig, seed: int,
-            trained: Predictor | torch.Tensor | None = None, autocast=None, loss_chunk: int = 8_192, ridges=RIDGES) -> Ceiling:
-    """The families' ceilings at this model state: fit on batches[:-1], scored on batches[-1].
+            trained: Predictor | torch.Tensor | None = None, autocast=None, loss_chunk: int = 8_192, ridges=RIDGES,
+            sketch_ranks=()) -> Ceiling:
+    """The families' ceilings at this model state: fit on batches[:-1], scored on batches[-1]; with
+    `sketch_ranks`, beside them the sketched product at those ranks (SketchFamily), which needs no fit.
 
     Two passes: the seed families' P needs e's second moment over all fit batches before any of their features
     exist, and keeping the batches' (B, T, d) errors instead would grow memory with K. The first pass costs
@@ -263,7 +296,7 @@ def ceiling(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]], credit
     for inputs, targets in batches[:-1]:
         e = record(inputs, targets, with_corrections=False).e.double().flatten(0, 1)
         second += e.t() @ e
-    families = build_families(model.cfg, credit, seed, second, trained)
+    families = build_families(model.cfg, credit, seed, second, trained) | sketch_families(model, sketch_ranks)
     moments = {name: [Moments.zeros(branches, d, fam.size, device) for _ in range(2)]  # [fit, held-out]
                for name, fam in families.items()}
     for i, (inputs, targets) in enumerate(batches):
@@ -377,7 +410,7 @@ def measure(args) -> Ceiling:
     position = trainer.loader.state_dict().get("position")  # the first measured micro-batch of TRAIN
     batches = [trainer._batch() for _ in range(args.batches)]  # noqa: SLF001 - the trainer's own data path
     result = ceiling(trainer.model, batches, cfg.credit, cfg.train.seed, trained, trainer.runtime.autocast(),
-                     cfg.train.loss_chunk)
+                     cfg.train.loss_chunk, sketch_ranks=args.sketch or ())
     B, T = batches[0][0].shape
     result.state = state | {"batches": args.batches, "fit_batches": args.batches - 1, "tokens": args.batches * B * T,
                             "data_position": position, "rank": cfg.credit.rank, "ridges": list(RIDGES),
@@ -460,10 +493,24 @@ def add_commands(sub, config_args) -> None:
                                                "checkpoint_*.pt of a run")
     p.add_argument("--updates", type=int, default=None, help="instead: N native updates from the preset's init")
     p.add_argument("--batches", type=int, default=4, help="TRAIN micro-batches K: fit on K-1, score on 1 (default 4)")
+    p.add_argument("--sketch", nargs="?", type=_ranks, const=SKETCH_RANKS, default=None, metavar="K,K,...",
+                   help="also score the sketched product (credit.source=sketch) at these ranks, as families sketchK "
+                        f"(default {','.join(map(str, SKETCH_RANKS))}, each capped at the width)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--out", required=True, help="folder for ceiling.json and ceiling.png")
     p.set_defaults(func=cmd_ceiling)
 
 
+def _ranks(text: str) -> tuple[int, ...]:
+    try:
+        ranks = tuple(int(k) for k in text.split(","))
+    except ValueError:
+        ranks = ()
+    if not ranks or min(ranks) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive ranks")
+    return ranks
+
+
 __all__ = ["ceiling", "record_batch", "Moments", "ridge_solutions", "score", "fit_family", "principal_projection",
-           "to_json", "table", "figure", "add_commands", "FAMILIES", "RIDGES"]
+           "sketch_families", "SketchFamily", "to_json", "table", "figure", "add_commands", "FAMILIES", "RIDGES",
+           "SKETCH_RANKS"]

@@ -33,19 +33,27 @@ def print_config(cfg: config_mod.Config, stream=None) -> None:
 # ---- flops -------------------------------------------------------------------------------------------------
 
 def cmd_flops(args) -> int:
-    from creditlab.flops import flop_budget
+    from creditlab.flops import flop_budget, sketch_cost
 
     cfg = load_config(args)
     if cfg.credit.teacher_every == 1:
         raise config_mod.ConfigError("credit.teacher_every=1 has no synthetic updates to save FLOPs on; "
                                      "use >= 2 (or 0 for the default cycle of 4)")
     budget = flop_budget(cfg.model, cfg.credit.teacher_every or 4, cfg.screen.cycle_gate)
+    sketch = None
+    if args.sketch or cfg.credit.source == "sketch":
+        try:
+            sketch = sketch_cost(cfg.model, cfg.credit.sketch_rank)
+        except ValueError as exc:
+            raise config_mod.ConfigError(f"credit.sketch_rank: {exc}") from None
     if args.json:
-        print(json.dumps(budget.to_json()))
+        print(json.dumps(budget.to_json() | ({"sketch": sketch.to_json()} if sketch else {})))
     else:
         print(f"nominal matrix/attention FLOPs per target ({args.preset}"
               f"{' + overrides' if args.overrides else ''}; Kaplan et al. 2020 convention)")
         print(budget.derivation())
+        if sketch:
+            print(sketch.derivation())
     return 0
 
 
@@ -78,6 +86,14 @@ def cmd_check(args) -> int:
               f"({len(m['upstream'])}): {m['caught']}; streaming {run['streaming']['streaming_max_rel_err']:.1e}, "
               f"materialized {run['streaming']['materialized_max_rel_err']:.1e} vs explicit decode")
     verdict = lambda ok: "PASS" if ok else "FAIL"  # noqa: E731
+    om = result["omission"]
+    print(f"omission: products omitted {sorted(set(om['omitted']))} of the intended {sorted(set(om['expected']))} "
+          f"(Q/K/V and MLP expansion per block): {verdict(om['passed'])}")
+    for run in result["runs"]:
+        o = run["omission"]
+        if not o["passed"]:
+            print(f"  {run['config']} seed {run['seed']}: omitted but not intended {o['omitted_but_not_intended']}; "
+                  f"intended but computed {o['intended_but_computed']}")
     print(f"zero differs from native:          {verdict(result['zero_differs'])}")
     print(f"mutation caught:                   {verdict(result['mutation_caught'])}")
     print(f"streaming == explicit decode:      {verdict(result['streaming']['passed'])}")
@@ -258,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("flops", help="print the nominal FLOP derivation per target")
     _config_args(p)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--sketch", action="store_true", help="also the `sketch` source's cost at credit.sketch_rank "
+                                                         "(implied by credit.source=sketch)")
     p.set_defaults(func=cmd_flops)
 
     p = sub.add_parser("check", help="float64 interface checks of the credit path (oracle, linearity, ...)")
@@ -328,6 +346,9 @@ def _extensions():
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # A command that runs other commands (`demo`) does so through these, not by importing this module.
+    args.run_command = main
+    args.commands = set(parser._subparsers._group_actions[0].choices)  # noqa: SLF001 - the registered commands
     try:
         return args.func(args)
     except config_mod.ConfigError as exc:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from creditlab import cli
-
 
 def _banner(text: str) -> None:
     print(f"\n=== {text} " + "=" * max(0, 100 - len(text)), flush=True)
@@ -39,20 +37,18 @@ def cmd_demo(args) -> int:
         ("screen: exploratory two-arm resource screen (native vs learned, zero decoders)",
          ["screen", "--preset", "tiny", "--set", "data.source=shards", "--set", f"data.dir={args.data}"]),
     ]
-    parser = cli.build_parser()
-    known = set(parser._subparsers._group_actions[0].choices)  # noqa: SLF001 - the registered commands
     for title, argv in steps:
-        if argv[0] not in known:
+        if argv[0] not in args.commands:
             continue
         _banner(title)
-        code = cli.main(argv)
+        code = args.run_command(argv)
         if code not in (0,) and argv[0] != "screen":  # a screen's verdict is a result, not a failure
             print(f"demo: step '{' '.join(argv)}' exited with {code}")
             return code
     trained = sorted(str(p) for p in Path(runs).glob("*-train-*"))
     if len(trained) > 1:
         _banner("report: the two training runs side by side")
-        cli.main(["report", *trained, "--out", runs])
+        args.run_command(["report", *trained, "--out", runs])
     print(f"\ndemo finished in {time.time() - start:.0f} s; records are under runs/, the comparison in {runs}/")
     return 0
 

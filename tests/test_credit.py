@@ -494,7 +494,7 @@ def test_dni_fitting_cuts_heldout_correction_error():
 
 def test_the_fitted_sources_are_the_ones_with_teacher_updates():
     from creditlab.credit import SOURCES
-    FITTED_SOURCES = ("learned", "typed", "dni", "fitted_feedback")
+    FITTED_SOURCES = ("learned", "typed", "dni", "fitted_feedback", "fdfa")  # dfa only when calibrated
 
     for name in SOURCES:
         cfg = load("tiny", ["model.vocab_size=97", f"credit.source={name}"])

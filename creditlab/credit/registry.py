@@ -18,6 +18,8 @@ SOURCES: dict[str, str] = {
     "dfa": "creditlab.credit.feedback:DFASource",
     "dni": "creditlab.credit.dni:DNISource",
     "fitted_feedback": "creditlab.credit.feedback:FittedFeedbackSource",
+    "fdfa": "creditlab.credit.fdfa:FDFASource",
+    "sketch": "creditlab.credit.sketch:SketchSource",
 }
 
 

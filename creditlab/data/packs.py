@@ -146,13 +146,3 @@ def prose(cache: Path | None = None, log: Callable[[str], None] = print) -> Pack
                          "documents": len(found), "id_prefixes": sorted({d.id.split("/")[0] for d in found})})
         artifacts.append(_record(artifact, path))
     return Pack(docs, licences, artifacts)
-
-
-def docs(cache: Path | None = None, log: Callable[[str], None] = print) -> Pack:
-    """pack:docs: about 230 MB (55M BPE tokens) of Debian documentation prose and pack:prose; see docs_pack.py."""
-    from creditlab.data.docs_pack import build  # imported here: docs_pack builds on this module
-
-    return build(cache, log)
-
-
-PACKS: dict[str, Callable[..., Pack]] = {"prose": prose, "docs": docs}

@@ -22,7 +22,10 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from creditlab.data.documents import Document
-from creditlab.data.packs import PACKS
+from creditlab.data import docs_pack, packs
+
+# pack:prose (packs.py), and pack:docs: Debian documentation prose with pack:prose's texts (docs_pack.py)
+PACKS = {"prose": packs.prose, "docs": docs_pack.build}
 
 SCHEMES = ("pack", "dir", "jsonl", "parquet", "hf")
 DEFAULT_SOURCE = "pack:prose"
