@@ -16,7 +16,7 @@ Families (r = credit.rank):
   full         e_t itself: any linear map of the token's own terminal error (d features): `fitted_feedback`
   trained      the configured `learned` or `typed` source's own P, gates and decoders, scored as they are
   trained_refit  its P and gates, least-squares decoders
-  sketchK      (with --sketch) the `sketch` source at rank K: c_b V_b V_b^T, V_b the leading K right singular
+  sketchK      the `sketch` source at rank K (--sketch, default 16,32,64): c_b V_b V_b^T, V_b the leading K right singular
                vectors of W_b at this state (just after a refresh); nothing fitted
 The ceiling separates "the fit is poor" (trained far below trained_refit) from "the family cannot represent
 the correction" (trained_refit, or seed, far below full).
@@ -45,7 +45,7 @@ from creditlab.model import GPT
 
 RIDGES = (0.0, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)  # relative to the Gram's mean diagonal
 FAMILIES = ("seed", "seed_nogate", "seed_rank4x", "typed", "full", "trained", "trained_refit")
-SKETCH_RANKS = (16, 32, 64)  # `--sketch` without ranks; each capped at the width
+SKETCH_RANKS = (16, 32, 64)  # the default of --sketch; each capped at the width
 
 
 # ---- recording one micro-batch -----------------------------------------------------------------------------
@@ -493,15 +493,17 @@ def add_commands(sub, config_args) -> None:
                                                "checkpoint_*.pt of a run")
     p.add_argument("--updates", type=int, default=None, help="instead: N native updates from the preset's init")
     p.add_argument("--batches", type=int, default=4, help="TRAIN micro-batches K: fit on K-1, score on 1 (default 4)")
-    p.add_argument("--sketch", nargs="?", type=_ranks, const=SKETCH_RANKS, default=None, metavar="K,K,...",
-                   help="also score the sketched product (credit.source=sketch) at these ranks, as families sketchK "
-                        f"(default {','.join(map(str, SKETCH_RANKS))}, each capped at the width)")
+    p.add_argument("--sketch", type=_ranks, default=SKETCH_RANKS, metavar="K,K,...|none",
+                   help="the sketched product (credit.source=sketch) at these ranks, as families sketchK beside the "
+                        f"fitted ones (default {','.join(map(str, SKETCH_RANKS))}, each capped at the width)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--out", required=True, help="folder for ceiling.json and ceiling.png")
     p.set_defaults(func=cmd_ceiling)
 
 
 def _ranks(text: str) -> tuple[int, ...]:
+    if text.strip().lower() == "none":
+        return ()
     try:
         ranks = tuple(int(k) for k in text.split(","))
     except ValueError:

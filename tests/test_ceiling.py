@@ -132,7 +132,8 @@ def test_cli_end_to_end_writes_json_and_png(tmp_path, capsys):
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     written = json.loads((out / "ceiling.json").read_text())
     assert printed == written
-    assert set(written["families"]) == {"seed", "seed_nogate", "seed_rank4x", "typed", "full"}  # no trained state
+    assert set(written["families"]) == {"seed", "seed_nogate", "seed_rank4x", "typed", "full",  # no trained state
+                                        "sketch16", "sketch32", "sketch64"}
     state = written["state"]
     assert state["updates"] == 2 and state["update"] == 2 and state["batches"] == 4 and state["preset"] == "tiny"
     assert state["tokens"] == 4 * 8 * 64
