@@ -334,7 +334,8 @@ def verdicts(result: dict) -> list[str]:
         d = [pa[s] - pb[s] for s in seeds]
         sign = ("better in every seed" if max(d) < 0 else "worse in every seed" if min(d) > 0
                 else "the sign differs between seeds")
-        return f"; paired by seed ({len(seeds)}): {' / '.join(f'{x:+.4f}' for x in d)}, {a} {sign}"
+        return (f"; paired by seed ({len(seeds)}): {' / '.join(f'{x:+.4f}' for x in d)} (mean {sum(d) / len(d):+.4f}), "
+                f"{a} {sign}")
 
     if "native" in summary:
         for label in summary:

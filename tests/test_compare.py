@@ -257,7 +257,8 @@ def test_a_gap_is_judged_against_the_spread_only_with_two_seeds_of_both_arms():
     assert "learned is better" in said["learned", "zero"]
     assert "not assessable" in said["dfa", "native"] and "not assessable" in said["dfa", "zero"]
     # paired by seed: the per-seed differences, and whether their sign holds in every seed
-    assert said["learned", "zero"].endswith("paired by seed (2): -0.4800 / -0.5400, learned better in every seed")
-    assert said["learned", "native"].endswith("-0.0100 / +0.0400, learned the sign differs between seeds")
+    assert said["learned", "zero"].endswith("paired by seed (2): -0.4800 / -0.5400 (mean -0.5100), learned better in "
+                                            "every seed")
+    assert said["learned", "native"].endswith("-0.0100 / +0.0400 (mean +0.0150), learned the sign differs between seeds")
     assert said["zero", "native"].endswith("zero worse in every seed")
     assert "paired" not in said["dfa", "zero"]
