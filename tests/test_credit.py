@@ -501,19 +501,15 @@ def test_the_fitted_sources_are_the_ones_with_teacher_updates():
         assert make_source(cfg).fits == (name in FITTED_SOURCES), name
 
 
-@pytest.mark.parametrize("name, fit", [("learned", "adam"), ("dni", "adam"), ("learned", "lstsq"), ("dni", "lstsq"),
-                                       ("typed", "lstsq"), ("fitted_feedback", "lstsq"), ("fitted_feedback", "adam")])
-def test_fitted_sources_train_the_same_through_the_compiler(name, fit, monkeypatch):
-    """On the GPU the step is compiled by default. Here the compiler traces the same step (teacher and synthetic
-    micro-batches, the fits' autograd Functions) with the `aot_eager` backend, which needs no C++ toolchain,
-    must not fall back to eager, and must train as the eager step does."""
+def train_eager_and_compiled(overrides: list[str], monkeypatch) -> tuple[list, dict, dict]:
+    """The tiny preset trained eagerly and compiled with the `aot_eager` backend (no C++ toolchain needed); the
+    compiled run must go through the compiler without falling back to eager, and train as the eager one does.
+    Returns the compiled run's rows, and both runs' losses and parameters (model and source) by `compiled`."""
     import functools
     import warnings
 
     from creditlab.train import Trainer
 
-    overrides = ["model.vocab_size=97", f"credit.source={name}", "train.updates=5", "credit.teacher_every=2",
-                 f"credit.fit={fit}"]
     losses, params = {}, {}
     for compiled in (False, True):
         torch._dynamo.reset()
@@ -529,8 +525,18 @@ def test_fitted_sources_train_the_same_through_the_compiler(name, fit, monkeypat
         assert (graphs > 0) == compiled, graphs  # the compiled run did go through the compiler
         losses[compiled] = [r.loss for r in rows]
         params[compiled] = {**dict(trainer.model.named_parameters()), **dict(trainer.source.named_parameters())}
-    assert [r.kind for r in rows] == ["teacher", "synthetic", "teacher", "synthetic", "teacher"]
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)
     for key, eager in params[False].items():
         torch.testing.assert_close(params[True][key], eager, rtol=1e-4, atol=1e-6)
+    return rows, losses, params
+
+
+@pytest.mark.parametrize("name, fit", [("learned", "adam"), ("dni", "adam"), ("learned", "lstsq"), ("dni", "lstsq"),
+                                       ("typed", "lstsq"), ("fitted_feedback", "lstsq"), ("fitted_feedback", "adam")])
+def test_fitted_sources_train_the_same_through_the_compiler(name, fit, monkeypatch):
+    """On the GPU the step is compiled by default; here the compiler traces the same step (teacher and synthetic
+    micro-batches, the fits' autograd Functions)."""
+    rows, _, params = train_eager_and_compiled(["model.vocab_size=97", f"credit.source={name}", "train.updates=5",
+                                                "credit.teacher_every=2", f"credit.fit={fit}"], monkeypatch)
+    assert [r.kind for r in rows] == ["teacher", "synthetic", "teacher", "synthetic", "teacher"]
     assert any(p.abs().max() > 0 for k, p in params[True].items() if k.endswith("decoders"))

@@ -3,9 +3,7 @@ refresh schedule, its place in the fit ceiling, and its parity through the compi
 
 from __future__ import annotations
 
-import functools
 import json
-import warnings
 
 import pytest
 import torch
@@ -14,7 +12,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from creditlab import ceiling as ceil
 from creditlab import checks, cli
-from creditlab import runtime as rt
 from creditlab.config import load
 from creditlab.credit import make_source
 from creditlab.credit.sketch import SketchCredit, SketchSource, _SketchedLinear, leading_basis
@@ -23,7 +20,7 @@ from creditlab.data import SyntheticLoader
 from creditlab.flops import sketch_cost
 from creditlab.model import ExactCredit
 from creditlab.train import Trainer
-from tests.test_credit import CountMatmuls
+from tests.test_credit import CountMatmuls, train_eager_and_compiled
 
 SMALL = checks.seed_structure()  # 8 layers, 16 branches, width 64
 
@@ -283,24 +280,6 @@ def test_under_autocast_it_casts_as_f_linear_does():
 def test_sketch_training_is_the_same_through_the_compiler(monkeypatch):
     """As the fitted sources' test in test_credit.py: the compiled step (aot_eager backend) trains as the eager
     one, with a refresh inside the run, and does not fall back to eager."""
-    overrides = ["model.vocab_size=97", "credit.source=sketch", "credit.sketch_rank=16", "credit.sketch_every=2",
-                 "train.updates=4"]
-    losses, params = {}, {}
-    for compiled in (False, True):
-        torch._dynamo.reset()
-        torch._dynamo.utils.counters.clear()
-        cfg = load("tiny", overrides + [f"train.compile={'on' if compiled else 'off'}"])
-        with monkeypatch.context() as patch:
-            patch.setattr(rt.torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
-            trainer = Trainer(cfg, loader=SyntheticLoader(97, cfg.train.micro_batch, cfg.model.seq_len, seed=0))
-            with warnings.catch_warnings():
-                warnings.filterwarnings("error", message="torch.compile failed")
-                rows = trainer.run(progress=False)
-        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        assert (graphs > 0) == compiled, graphs
-        losses[compiled] = [r.loss for r in rows]
-        params[compiled] = dict(trainer.model.named_parameters())
+    rows, _, _ = train_eager_and_compiled(["model.vocab_size=97", "credit.source=sketch", "credit.sketch_rank=16",
+                                           "credit.sketch_every=2", "train.updates=4"], monkeypatch)
     assert [r.kind for r in rows] == ["synthetic"] * 4
-    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
-    for key, eager in params[False].items():
-        torch.testing.assert_close(params[True][key], eager, rtol=1e-4, atol=1e-6)
