@@ -6,10 +6,11 @@ An arm is a name from ARMS (a set of config overrides). Each arm starts from the
 reads the same micro-batches; per update it records synchronized wall time, loss and peak memory. Results go
 to DIR/arms.json and DIR/arms.md (last-six medians, ratios against the first arm).
 
-By default the arms are interleaved: all are built and compiled first, then each round runs one update of
-every arm, so the board's drift in clock and temperature under its power limit falls on all arms alike
-(run back to back, the same arm's median moves by 5-10 ms between runs). `--schedule sequential` runs each
-arm's updates back to back, alone on the GPU, which also gives each arm's own reserved memory.
+By default the arms are interleaved (creditlab/arms_runner.py, the runner the resource screen uses too): all
+are built and compiled first, then each round runs one update of every arm, so the board's drift in clock and
+temperature under its power limit falls on all arms alike (run back to back, the same arm's median moves by
+5-10 ms between runs). `--schedule sequential` runs each arm's updates back to back, alone on the GPU, which
+also gives each arm's own reserved memory.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from creditlab import config as config_mod  # noqa: E402
 from creditlab import runtime as rt  # noqa: E402
+# rotation is re-exported: the order of a round is the runner's, one rule for the screen and this benchmark
+from creditlab.arms_runner import (OwnMemory, cuda_allocated, keep_compiled_side_by_side, rotation,  # noqa: E402,F401
+                                   run_rounds)
 from creditlab.data import SyntheticLoader  # noqa: E402
 from creditlab.train import Trainer, build_model, row_dict  # noqa: E402
 
@@ -188,8 +192,6 @@ def build_arm(name: str, base: config_mod.Config, init_state: dict) -> dict:
         key, _, value = item.partition("=")
         config_mod._assign(cfg, key, value)
     config_mod.validate(cfg)
-    torch.cuda.synchronize()
-    allocated_before = torch.cuda.memory_allocated()
     runtime = rt.resolve(cfg.train)
     model = build_model(cfg, runtime)
     model.load_state_dict(init_state)
@@ -214,30 +216,15 @@ def build_arm(name: str, base: config_mod.Config, init_state: dict) -> dict:
     gc.collect()
     torch.cuda.synchronize()
     return {"name": name, "overrides": overrides, "init_sha256": init_sha, "trainer": trainer, "rows": [],
-            "saved_by_forward_mib": saved[-1], "resident": torch.cuda.memory_allocated() - allocated_before,
-            "wall_s": 0.0}
+            "saved_by_forward_mib": saved[-1], "wall_s": 0.0}
 
 
-def run_update(arm: dict) -> None:
-    """One timed update of an arm. Its memory peak is counted as if the arm ran alone: the bytes other arms
-    keep resident (allocated before the update, less this arm's own resident bytes) are taken off."""
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
+def run_update(arm: dict, own: OwnMemory) -> None:
+    """One timed update of an arm, its memory peak counted as if it ran alone (see OwnMemory)."""
     start = time.perf_counter()
-    row = arm["trainer"].train_update()
+    row = own.update(arm["name"], arm["trainer"].train_update)
     arm["wall_s"] += time.perf_counter() - start
-    others = before - arm["resident"]
-    row.peak_allocated_mib -= others / 2**20
-    if arm.get("shared"):  # reserved memory is one pool for all arms: not an arm's own figure
-        row.peak_reserved_mib = None
-    arm["resident"] += torch.cuda.memory_allocated() - before  # what the update left alive (optimizer state)
     arm["rows"].append(row)
-
-
-def rotation(names: list, update: int) -> list:
-    """The order of the arms in one round: rotated each round, so no arm always follows the same one."""
-    k = update % len(names)
-    return names[k:] + names[:k]
 
 
 def summarize_arm(arm: dict) -> dict:
@@ -391,10 +378,11 @@ def main() -> int:
             # Every arm compiles the same code objects; without a reset, the compiler's per-function cache limit
             # is reached after a few arms and later arms silently run eagerly.
             torch._dynamo.reset()
+            own = OwnMemory(cuda_allocated, shared=False)
             try:
-                arm = build_arm(name, base, init_state)
+                arm = own.build(name, lambda: build_arm(name, base, init_state))
                 for _ in range(args.updates):
-                    run_update(arm)
+                    run_update(arm, own)
                 results[name] = summarize_arm(arm)
                 diagnostics(arm)
             except torch.OutOfMemoryError as exc:
@@ -406,30 +394,33 @@ def main() -> int:
             save()
     else:
         # All arms resident at once (each keeps its parameters and optimizer state, about 1 GB at the seed
-        # preset); every compiled variant stays cached, so the compiler's cache limit is raised.
-        for limit in ("recompile_limit", "cache_size_limit"):
-            if hasattr(torch._dynamo.config, limit):
-                setattr(torch._dynamo.config, limit, max(64, getattr(torch._dynamo.config, limit)))
+        # preset), through the package's arms runner, which the resource screen uses too.
+        keep_compiled_side_by_side()
+        own = OwnMemory(cuda_allocated, shared=True)
         arms = {}
         for name in names:
             print(f"== build {name}", flush=True)
             try:
-                arms[name] = build_arm(name, base, init_state) | {"shared": True}
+                arms[name] = own.build(name, lambda: build_arm(name, base, init_state))
             except torch.OutOfMemoryError as exc:
                 out_of_memory(name, exc)
                 report(results[name])
         live = [n for n in names if n in arms]
-        for update in range(args.updates):
-            for name in rotation(live, update):
-                if name in results:  # out of memory earlier
-                    continue
-                try:
-                    run_update(arms[name])
-                except torch.OutOfMemoryError as exc:
-                    release(arms[name])
-                    out_of_memory(name, exc)
-            print(f"round {update + 1}/{args.updates}: " + ", ".join(
+
+        def step(at) -> bool:
+            try:
+                run_update(arms[at.arm], own)
+                return True
+            except torch.OutOfMemoryError as exc:
+                release(arms[at.arm])
+                out_of_memory(at.arm, exc)
+                return False  # retired; the other arms go on
+
+        def after_round(r: int) -> None:
+            print(f"round {r + 1}/{args.updates}: " + ", ".join(
                 f"{n} {arms[n]['rows'][-1].seconds:.4f}" for n in live if n not in results), flush=True)
+
+        run_rounds(live, args.updates, step, after_round=after_round)
         for name in live:
             if name not in results:
                 results[name] = summarize_arm(arms[name])

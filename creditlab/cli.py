@@ -2,12 +2,18 @@
 
 Commands: data, flops, check, admit, screen, train, compare, heldout, ceiling, report, demo. Every command that
 builds a model takes `--preset NAME` and repeatable `--set section.key=value`.
+
+A user error (`user_error`: a config, a path, data, a full or read-only disk) ends in one line on stderr and
+exit 2; `creditlab --debug ...` shows its traceback. An internal error keeps its traceback (exit 1), and a run
+that diverges says so in one line and exits 1, its record holding failure.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 import sys
 
 from creditlab import config as config_mod
@@ -65,7 +71,7 @@ def cmd_check(args) -> int:
     from creditlab import checks
 
     cfg = load_config(args)
-    seeds = [int(s) for s in args.seeds.split(",")] if args.seed is None else [args.seed]
+    seeds = parse_seeds(args.seeds) if args.seed is None else [args.seed]
     configs = {args.preset: cfg.model, "seed-structure": checks.seed_structure()}
     torch.set_num_threads(max(1, torch.get_num_threads()))
     result = checks.run_all(configs, seeds)
@@ -87,8 +93,9 @@ def cmd_check(args) -> int:
               f"materialized {run['streaming']['materialized_max_rel_err']:.1e} vs explicit decode")
     verdict = lambda ok: "PASS" if ok else "FAIL"  # noqa: E731
     om = result["omission"]
-    print(f"omission: products omitted {sorted(set(om['omitted']))} of the intended {sorted(set(om['expected']))} "
-          f"(Q/K/V and MLP expansion per block): {verdict(om['passed'])}")
+    counted = sorted({(run["config"], run["omission"]["omitted"], run["omission"]["expected"]) for run in result["runs"]})
+    print("omission: " + ", ".join(f"{o} of the {e} intended products left out ({label})" for label, o, e in counted)
+          + f" (Q/K/V and MLP expansion of every block): {verdict(om['passed'])}")
     for run in result["runs"]:
         o = run["omission"]
         if not o["passed"]:
@@ -107,33 +114,51 @@ def cmd_check(args) -> int:
 
 def cmd_train(args) -> int:
     from creditlab import runtime as rt
-    from creditlab.data import DATA_ERRORS
-    from creditlab.protocol.records import append_jsonl, new_record_dir, read_jsonl, write_once
-    from creditlab.train import Trainer, UpdateRow, latest_rows, median_last, row_dict
+    from creditlab.protocol.records import RecordLock, new_record_dir, write_once
 
-    record, checkpoint = None, None
+    state = raw = None
     if args.resume:
-        record, cfg, checkpoint = _resumable(args)
+        record, cfg, raw = _resumable(args)
     else:
-        cfg = load_config(args)
+        record, cfg = None, load_config(args)
     runtime = rt.resolve(cfg.train)
-    if runtime.is_main:
-        print_config(cfg)
-    peak = rt.measure_matmul_tflops(runtime)
+    writes = runtime.is_main and not args.no_record  # one process writes the record
+    lock = RecordLock(record) if record is not None and writes else None
+    if lock is not None:
+        _acquire(lock)  # before reading what another living process may still be writing
     try:
+        if record is not None:
+            _repair(record, writes)
+            state = _newest_readable_checkpoint(record, raw)
+        if runtime.is_main:
+            print_config(cfg)
+        peak = rt.measure_matmul_tflops(runtime)
+        from creditlab.train import Trainer
+
         trainer = Trainer(cfg, runtime, peak_tflops=peak)
-    except DATA_ERRORS as exc:  # data that cannot be trained on: one line saying why, no traceback
-        print(f"creditlab: error: {exc}", file=sys.stderr)
-        return 2
-    if checkpoint is not None:
-        trainer.load_checkpoint(checkpoint)
-        print(f"resumed {record} from {checkpoint.name} at update {trainer.update_index}", file=sys.stderr)
-    if runtime.is_main and not args.no_record and record is None:
-        record = new_record_dir(cfg.train.out_dir, "train")
-        write_once(record / "config.json", cfg.to_dict())
-        write_once(record / "env.json", {**rt.environment(runtime), "matmul_tflops": peak})
-    if record is not None:
-        print(f"record: {record}", file=sys.stderr)
+        if state is not None:
+            trainer.load_checkpoint(state, config=raw)
+            print(f"resumed {record} from {state['_name']} at update {trainer.update_index}", file=sys.stderr)
+        if writes and record is None:
+            record = new_record_dir(cfg.train.out_dir, "train")
+            lock = RecordLock(record)
+            _acquire(lock)
+            write_once(record / "config.json", cfg.to_dict())
+            write_once(record / "env.json", {**rt.environment(runtime), "matmul_tflops": peak,
+                                             "cwd": os.getcwd()})  # where relative paths (data.dir) point
+        if record is not None:
+            print(f"record: {record}", file=sys.stderr)
+        return _train(args, cfg, runtime, trainer, record if writes else None)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(args, cfg, runtime, trainer, record) -> int:
+    """The loop of `train`, and the end of its record: result and report, or failure.json saying why not."""
+    from creditlab import runtime as rt
+    from creditlab.protocol.records import append_jsonl, read_jsonl, write_once
+    from creditlab.train import Diverged, UpdateRow, latest_rows, median_last, row_dict
 
     def on_row(row):
         if record is None:
@@ -147,27 +172,43 @@ def cmd_train(args) -> int:
         if record is not None:
             append_jsonl(record / "eval.jsonl", row.to_dict())
 
-    evaluator = None
-    if runtime.is_main and cfg.train.eval_tokens > 0:
-        from creditlab.evaluate import Evaluator
-        every = f"every {cfg.train.eval_every} updates and " if cfg.train.eval_every else ""
-        evaluator = Evaluator(cfg, runtime, purpose=f"train {record.name if record else 'unrecorded run'}: dev loss "
-                                                    f"{every}at the start and end")
-    rows = trainer.run(progress=not args.no_progress, on_row=on_row, evaluator=evaluator, on_eval=on_eval)
-    if record is not None:  # a resumed run's result covers every update of its record
-        rows = [UpdateRow(**r) for r in latest_rows(read_jsonl(record / "rows.jsonl"))]
-    window = min(6, len(rows))
-    result = {"updates": len(rows), "final_loss": rows[-1].loss, "first_loss": rows[0].loss,
-              f"median_last{window}_s": median_last(rows, window),
-              "peak_allocated_mib": max((r.peak_allocated_mib or 0.0) for r in rows) or None}
-    if record is not None and (record / "eval.jsonl").exists():
-        last = read_jsonl(record / "eval.jsonl")[-1]
-        result.update(dev_loss=last["loss"], dev_bits_per_byte=last["bits_per_byte"])
-    if record:
-        trainer.save_model(record / "model.pt")
-        write_once(record / "result.json", result)
-        from creditlab.report import report
-        report([record])
+    def on_warning(entry):
+        if record is not None:
+            append_jsonl(record / "warnings.jsonl", entry)
+
+    try:
+        evaluator = None
+        if runtime.is_main and cfg.train.eval_tokens > 0:
+            from creditlab.evaluate import Evaluator
+            every = f"every {cfg.train.eval_every} updates and " if cfg.train.eval_every else ""
+            evaluator = Evaluator(cfg, runtime, purpose=f"train {record.name if record else 'unrecorded run'}: dev "
+                                                        f"loss {every}at the start and end")
+        rows = trainer.run(progress=not args.no_progress, on_row=on_row, evaluator=evaluator, on_eval=on_eval,
+                           on_warning=on_warning)
+        if record is not None:  # a resumed run's result covers every update of its record
+            rows = [UpdateRow(**r) for r in latest_rows(read_jsonl(record / "rows.jsonl"))]
+        window = min(6, len(rows))
+        result = {"updates": len(rows), "final_loss": rows[-1].loss, "first_loss": rows[0].loss,
+                  f"median_last{window}_s": median_last(rows, window),
+                  "peak_allocated_mib": max((r.peak_allocated_mib or 0.0) for r in rows) or None}
+        if record is not None and (record / "eval.jsonl").exists():
+            last = read_jsonl(record / "eval.jsonl")[-1]
+            result.update(dev_loss=last["loss"], dev_bits_per_byte=last["bits_per_byte"])
+        if record is not None:
+            trainer.save_model(record / "model.pt")
+            write_once(record / "result.json", result)
+            from creditlab.report import report
+            report([record])
+    except Diverged as exc:  # the run's own failure, not the program's: one line, the record says the rest
+        _record_failure(record, trainer, {**exc.details, "error": str(exc)})
+        print(f"creditlab: error: {exc}", file=sys.stderr)
+        return 1
+    except BaseException as exc:
+        import traceback
+
+        _record_failure(record, trainer, {"reason": type(exc).__name__, "error": str(exc),
+                                          "traceback": traceback.format_exc()})
+        raise
     if runtime.is_main:
         print(json.dumps(result) if args.json else
               f"done: loss {result['first_loss']:.4f} -> {result['final_loss']:.4f} over {len(rows)} updates")
@@ -175,9 +216,67 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _record_failure(record, trainer, details: dict) -> None:
+    """failure.json (failure-2.json, ... after a resumed run fails again): why the run stopped and where. Best
+    effort: on a full disk it cannot be written, and the error that says so matters more than this file."""
+    if record is None:
+        return
+    from creditlab.protocol.records import write_once
+
+    n = 1 + len(list(record.glob("failure*.json")))
+    path = record / ("failure.json" if n == 1 else f"failure-{n}.json")
+    stage = "start" if not (record / "rows.jsonl").exists() else "training"  # start: before its first update
+    try:
+        write_once(path, {"status": "failed", "stage": stage, "updates_done": trainer.update_index, **details})
+    except OSError:
+        pass
+
+
+def _acquire(lock) -> None:
+    from creditlab.protocol.records import Locked
+
+    try:
+        lock.acquire()
+    except Locked as exc:
+        raise config_mod.UserError(str(exc)) from None
+
+
+def _repair(record, writes: bool) -> None:
+    """Cut a half-written last line off the record's JSON lines (a run killed mid-write), saying so."""
+    from creditlab.protocol.records import append_jsonl, repair_jsonl
+
+    for name in ("rows.jsonl", "eval.jsonl", "warnings.jsonl"):
+        removed = repair_jsonl(record / name) if writes else 0
+        if removed:
+            message = f"repaired {name}: removed a half-written last line ({removed} bytes)"
+            print(f"creditlab: {message}", file=sys.stderr)
+            append_jsonl(record / "warnings.jsonl", {"update": None, "warning": message})
+
+
+def _newest_readable_checkpoint(record, raw: dict) -> dict:
+    """The newest checkpoint that can be read, falling back to older ones; it must match the record's config."""
+    from creditlab.train import checkpoints, config_diff, read_checkpoint
+
+    for path in reversed(checkpoints(record)):
+        try:
+            state = read_checkpoint(path)
+        except Exception as exc:  # noqa: BLE001 - a truncated or corrupt file: any reader error means unreadable
+            print(f"creditlab: {path.name} cannot be read ({type(exc).__name__}: {str(exc)[:120]}); "
+                  f"trying the checkpoint before it", file=sys.stderr)
+            continue
+        differ = config_diff(state.get("config", {}), raw)
+        if differ:
+            raise config_mod.UserError(f"{path} was written under another config than {record}/config.json "
+                                       f"({'; '.join(differ)}); restore the record's config.json or start a new run")
+        return state | {"_name": path.name}
+    raise config_mod.UserError(f"{record} has no readable checkpoint; start a new run")
+
+
 def _resumable(args):
-    """The record, its config and its newest checkpoint; refuse what cannot be resumed, saying why."""
+    """The record, its config (paths resolved) and the config as stored; refuse what cannot be resumed."""
     from pathlib import Path
+
+    from creditlab.train import checkpoints
 
     record = Path(args.resume)
     if args.overrides:
@@ -186,15 +285,36 @@ def _resumable(args):
         raise config_mod.ConfigError(f"{record} is not a training record (no config.json)")
     if (record / "result.json").exists():
         raise config_mod.ConfigError(f"{record} finished (result.json exists); start a new run instead")
-    checkpoints = sorted(record.glob("checkpoint_*.pt"))
-    if not checkpoints:
+    if not checkpoints(record):
         raise config_mod.ConfigError(f"{record} has no checkpoint to resume from (it ran with "
                                      f"train.checkpoint_every=0)")
     # Rows written after the newest checkpoint stay (append-only); the resumed run re-does those updates and
     # appends their new rows, and readers keep the last row of each update (train.latest_rows).
-    cfg = config_mod.Config.from_dict(json.loads((record / "config.json").read_text()))
+    raw = json.loads((record / "config.json").read_text())
+    cfg = config_mod.Config.from_dict(raw)
     config_mod.validate(cfg)
-    return record, cfg, checkpoints[-1]
+    cfg.data.dir = _data_dir(record, cfg)
+    return record, cfg, raw
+
+
+def _data_dir(record, cfg) -> str:
+    """data.dir as the run saw it: a relative one points from the folder the run started in, which is where
+    train.out_dir leads back from the record (or env.json's cwd), not from wherever the resume is started."""
+    from pathlib import Path
+
+    data_dir, out_dir = Path(cfg.data.dir), Path(cfg.train.out_dir)
+    if data_dir.is_absolute() or cfg.data.source != "shards":
+        return cfg.data.dir
+    origins = []
+    if not out_dir.is_absolute() and ".." not in out_dir.parts:
+        origins.append(record.resolve().parents[len(out_dir.parts)])
+    env = record / "env.json"
+    if env.exists() and json.loads(env.read_text()).get("cwd"):
+        origins.append(Path(json.loads(env.read_text())["cwd"]))
+    for origin in origins:
+        if (origin / data_dir).is_dir():
+            return str(origin / data_dir)
+    return cfg.data.dir
 
 
 # ---- compare and heldout -----------------------------------------------------------------------------------
@@ -269,6 +389,7 @@ def cmd_heldout(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="creditlab", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a user error too")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("flops", help="print the nominal FLOP derivation per target")
@@ -351,9 +472,34 @@ def main(argv: list[str] | None = None) -> int:
     args.commands = set(parser._subparsers._group_actions[0].choices)  # noqa: SLF001 - the registered commands
     try:
         return args.func(args)
-    except config_mod.ConfigError as exc:
-        print(f"creditlab: {exc}", file=sys.stderr)
+    except Exception as exc:
+        message = user_error(exc)
+        if message is None or args.debug:
+            raise  # an internal error keeps its traceback (exit 1)
+        print(f"creditlab: error: {message}", file=sys.stderr)
         return 2
+
+
+# A full disk, or a folder that cannot be written: the user's to fix, whatever the code was writing.
+STORAGE_ERRNOS = {errno.ENOSPC: "the disk is full; free space there or choose another folder",
+                  errno.EDQUOT: "the disk quota is exhausted; free space there or choose another folder",
+                  errno.EROFS: "the file system is read-only; choose a writable folder",
+                  errno.EACCES: "permission denied; make it writable or choose another folder",
+                  errno.EPERM: "permission denied; make it writable or choose another folder"}
+
+
+def user_error(exc: BaseException) -> str | None:
+    """The one line that says what the user must fix, or None for an internal error. User errors are the
+    UserError family (configuration, records), the data errors (creditlab.data.DATA_ERRORS), and storage
+    errors; for `train`, the folder is train.out_dir."""
+    from creditlab.data import DATA_ERRORS
+
+    if isinstance(exc, (config_mod.UserError, *DATA_ERRORS)):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
+        where = exc.filename or "a file"
+        return f"cannot use {where}: {STORAGE_ERRNOS[exc.errno]} (train.out_dir, --out)"
+    return None
 
 
 if __name__ == "__main__":

@@ -136,6 +136,10 @@ class TrainConfig:
     dtype: str = "auto"  # auto (bf16 autocast on CUDA, float32 on CPU) | float32 | float64 | bf16
     log_every: int = 1
     checkpoint_every: int = 0  # > 0: write runs/<id>/checkpoint_<update>.pt every this many updates
+    keep_checkpoints: int = 2  # checkpoints kept in a record, newest first (0: keep all)
+    # A loss within 2% of ln(vocab) (chance), or more than 1 nat above its running minimum, for this many updates
+    # in a row writes a warning (0: never).
+    stall_updates: int = 100
     out_dir: str = "runs"
     # DEV evaluation of `creditlab train` and `compare`: the loss on a fixed DEV subset of eval_tokens tokens every
     # eval_every updates (0: only before the first and after the last update); eval_tokens=0 turns it off.
@@ -189,7 +193,12 @@ class Config:
         return cfg
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """A mistake the user can fix (a config, a path, data, a full disk): the CLI prints its message as one line
+    and exits 2, without a traceback. Its message names what is wrong and how to fix it."""
+
+
+class ConfigError(UserError, ValueError):
     pass
 
 
@@ -293,11 +302,14 @@ def validate(cfg: Config) -> None:
         parse_recompute(m.recompute)
     except ValueError as exc:
         problems.append(f"model.recompute: {exc}")
+    if cfg.data.source not in ("synthetic", "shards"):
+        problems.append(f"data.source must be synthetic|shards, got {cfg.data.source!r} (shards are read from "
+                        f"data.dir; prepare them with `creditlab data prepare`)")
     t = cfg.train
     for key in ("micro_batch", "grad_accum", "updates", "loss_chunk"):
         if getattr(t, key) < 1:
             problems.append(f"train.{key} must be positive")
-    for key in ("eval_every", "eval_tokens"):
+    for key in ("eval_every", "eval_tokens", "checkpoint_every", "keep_checkpoints", "stall_updates"):
         if getattr(t, key) < 0:
             problems.append(f"train.{key} must be >= 0")
     if cfg.compare.align_every < 0:

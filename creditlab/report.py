@@ -2,30 +2,49 @@
 
 `creditlab report RUN [RUN ...]` draws every run given on the same axes (loss per update, seconds per update,
 and the predictor's fit on teacher updates when there is one), so arms can be compared at a glance; with one
-run it also writes `report.md` and `report.png` into that run's folder (once: records are append-only).
+run it also writes `report.md` and `report.png` into that run's folder. A report is derived from the record
+and the record is append-only, so a second report of the same run is written beside the first as
+`report-2.md` and `report-2.png` (then -3, ...), never over it. A run with failure.json and no result.json is
+reported as failed, with the reason; one that failed before its first update has no rows and only that.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 
+from creditlab.config import UserError
 from creditlab.credit import SOURCES, source_class
-from creditlab.protocol.records import read_jsonl, write_once
+from creditlab.protocol.records import RECORD_MODE, read_jsonl, write_once
+
+
+class NotARecord(UserError, FileNotFoundError):
+    pass
 
 
 def load_run(folder: str | Path) -> dict:
     folder = Path(folder)
-    if not (folder / "rows.jsonl").exists():
-        raise FileNotFoundError(f"{folder} has no rows.jsonl: not a run record (see runs/<id>/)")
+    failures = sorted(folder.glob("failure*.json"), key=lambda p: (len(p.name), p.name))
+    if not (folder / "rows.jsonl").exists() and not failures:
+        raise NotARecord(f"{folder} has no rows.jsonl: not a run record (give a folder runs/<id>/)")
     from creditlab.train import latest_rows
 
-    run = {"dir": folder, "rows": latest_rows(read_jsonl(folder / "rows.jsonl"))}
+    rows = latest_rows(read_jsonl(folder / "rows.jsonl")) if (folder / "rows.jsonl").exists() else []
+    run = {"dir": folder, "rows": rows}
     for name in ("config", "env", "result"):
         path = folder / f"{name}.json"
         run[name] = json.loads(path.read_text()) if path.exists() else None
+    # Failed: it stopped and has not finished since (a resumed run that finished has a result).
+    run["failure"] = json.loads(failures[-1].read_text()) if failures and run["result"] is None else None
+    warnings = folder / "warnings.jsonl"
+    run["warnings"] = read_jsonl(warnings) if warnings.exists() else []
     return run
+
+
+def status(run: dict) -> str:
+    return "failed" if run["failure"] else "finished" if run["result"] else "unfinished"
 
 
 def label(run: dict) -> str:
@@ -38,11 +57,21 @@ def label(run: dict) -> str:
     return f"{run['dir'].name} ({source})"
 
 
-def summary_markdown(run: dict) -> str:
+def summary_markdown(run: dict, figure_name: str = "report.png") -> str:
     rows = run["rows"]
     window = rows[-min(6, len(rows)):]
     cfg, env = run["config"] or {}, run["env"] or {}
-    lines = [f"# Run {run['dir'].name}", "",
+    lines = [f"# Run {run['dir'].name}", "", f"Status: **{status(run)}**.", ""]
+    if run["failure"]:
+        f = run["failure"]
+        lines.append(f"It failed {'before its first update' if f.get('stage') == 'start' else 'during training'}"
+                     f" after {f.get('updates_done')} updates: {f.get('error')}")
+        lines.append("")
+    lines += [f"- warning: {w['warning']}" for w in run["warnings"]]
+    lines += [""]
+    if not rows:
+        return "\n".join(lines)
+    lines += [
              f"Credit source `{cfg.get('credit', {}).get('source')}`; model {cfg.get('model', {}).get('layers')} "
              f"layers x width {cfg.get('model', {}).get('width')}; micro {cfg.get('train', {}).get('micro_batch')} x "
              f"T {cfg.get('model', {}).get('seq_len')} x GA {cfg.get('train', {}).get('grad_accum')}; data "
@@ -60,10 +89,18 @@ def summary_markdown(run: dict) -> str:
     if fits:
         last = fits[-1]["fit"]
         lines += [f"| teacher updates | {len(fits)} |",
-                  f"| predictor fit, last teacher update | normalized error {last['fit_error']:.3f}, "
-                  f"cosine {last['fit_cosine']:.3f} |"]
-    lines += ["", "![loss, time and fit](report.png)", ""]
+                  f"| predictor fit, last teacher update | normalized error {_num(last['fit_error'])}, "
+                  f"cosine {_num(last['fit_cosine'])} |"]
+    lines += ["", f"![loss, time and fit]({figure_name})", ""]
     return "\n".join(lines)
+
+
+def _num(value, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"  # null in the record: no value (e.g. 0/0)
+
+
+def _nan(value) -> float:
+    return math.nan if value is None else value  # a gap in the line
 
 
 def figure(runs: list[dict], path: Path) -> Path:
@@ -83,7 +120,8 @@ def figure(runs: list[dict], path: Path) -> Path:
             axes[0].plot(*zip(*teacher), "o", ms=3, color=line.get_color())
         axes[1].plot(x[1:], [r["seconds"] for r in rows[1:]], color=line.get_color())
         if has_fit:
-            fits = [(r["update"] + 1, r["fit"]["fit_error"], r["fit"]["fit_cosine"]) for r in rows if r.get("fit")]
+            fits = [(r["update"] + 1, _nan(r["fit"]["fit_error"]), _nan(r["fit"]["fit_cosine"])) for r in rows
+                    if r.get("fit")]
             if fits:
                 u, err, cos = zip(*fits)
                 axes[2].plot(u, err, "o-", ms=3, color=line.get_color(), label="normalized error")
@@ -97,6 +135,7 @@ def figure(runs: list[dict], path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    path.chmod(RECORD_MODE)  # the mode of every record file
     return path
 
 
@@ -104,15 +143,17 @@ def report(folders: list[str | Path], out: str | Path | None = None) -> list[Pat
     """Write the figure (and, for one run, its markdown summary); return the paths written."""
     runs = [load_run(f) for f in folders]
     if len(runs) == 1 and out is None:
-        folder = runs[0]["dir"]
-        png = folder / "report.png"
-        if png.exists() or (folder / "report.md").exists():
-            raise FileExistsError(f"{folder} already has a report; records are append-only (use --out DIR)")
-        figure(runs, png)
-        return [png, write_once(folder / "report.md", summary_markdown(runs[0]))]
+        folder, n = runs[0]["dir"], 1
+        stem = lambda n: "report" if n == 1 else f"report-{n}"  # noqa: E731
+        while (folder / f"{stem(n)}.md").exists() or (folder / f"{stem(n)}.png").exists():
+            n += 1
+        png, paths = folder / f"{stem(n)}.png", []
+        if runs[0]["rows"]:
+            paths.append(figure(runs, png))
+        return paths + [write_once(folder / f"{stem(n)}.md", summary_markdown(runs[0], png.name))]
     out = Path(out or ".")
     out.mkdir(parents=True, exist_ok=True)
-    paths = [figure(runs, out / "report.png")]
+    paths = [figure([r for r in runs if r["rows"]], out / "report.png")]
     paths.append(write_once(out / "report.md", "\n\n".join(summary_markdown(r) for r in runs)))
     return paths
 

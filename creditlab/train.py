@@ -21,12 +21,25 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from creditlab import data
 from creditlab import runtime as rt
 from creditlab.alignment import alignment
-from creditlab.config import Config
+from creditlab.config import Config, UserError
 from creditlab.credit import make_source
 from creditlab.credit.schedules import plan_for
 from creditlab.flops import flop_budget
 from creditlab.model import EXACT, GPT
 from creditlab.optim import Optimizers
+from creditlab.protocol.records import atomic_save
+
+
+class Diverged(FloatingPointError):
+    """A non-finite loss or gradient: the run cannot go on. `details` is what failure.json records."""
+
+    def __init__(self, message: str, details: dict):
+        super().__init__(message)
+        self.details = details
+
+
+class CheckpointMismatch(UserError):
+    pass
 
 
 @dataclass
@@ -79,6 +92,7 @@ class Trainer:
         self.flops_per_token = flop_budget(cfg.model, max(cfg.credit.teacher_every, 2)).total_per_token
         self.peak_tflops = peak_tflops
         self.update_index = 0
+        self.watch = LossWatch(cfg.model.vocab_size, cfg.train.stall_updates) if cfg.train.stall_updates else None
 
     def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         batch = self.loader.next()
@@ -107,13 +121,18 @@ class Trainer:
         losses, batches = [], []
 
         def step() -> tuple[float, dict | None, float]:
+            # Checked after the step, when the host waits for the loss anyway, so the backward and the step stay
+            # unsynchronized; a non-finite update stops the run and nothing after it is saved.
+            grad_norms = self._grad_norms()
             lr_scale = self.optimizers.step(update)
             self.optimizers.zero_grad()
             # After the model's step: the fit's report reads its metrics on the host, and a synchronization
             # before the step would leave the GPU idle while the host launches the optimizer's many kernels.
             fit = self.source.end_update(kind)
             self.plan.observe(update, kind, fit)
-            return lr_scale, fit, torch.stack(losses).mean().item()
+            loss = torch.stack(losses).mean().item()
+            self._check_finite(update, loss, losses, grad_norms)
+            return lr_scale, fit, loss
 
         with rt.Timer(runtime) as timed:
             for micro in range(cfg.grad_accum):
@@ -140,10 +159,29 @@ class Trainer:
         mfu = None if self.peak_tflops is None else \
             tps * self.flops_per_token / (self.peak_tflops * 1e12 * runtime.world_size)
         self.update_index += 1
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at update {update + 1}; lower the learning rates "
-                                     f"(--set train.lr_muon=..., train.lr_embed=...)")
         return UpdateRow(update, kind, loss, seconds, tokens, tps, lr_scale, alloc, reserved, mfu, fit, aligned)
+
+    def _grad_norms(self) -> tuple[list[str], torch.Tensor | None]:
+        """Each gradient's norm, queued on the device without waiting for it (one fused kernel per dtype)."""
+        named = [(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
+        if not named:
+            return [], None
+        return [n for n, _ in named], torch.stack(torch._foreach_norm([g for _, g in named]))
+
+    def _check_finite(self, update: int, loss: float, losses: list[torch.Tensor], grad_norms) -> None:
+        """Stop at the first non-finite loss or gradient, naming the update, micro-batch and parameter."""
+        names, norms = grad_norms
+        bad_grad = None if norms is None or bool(torch.isfinite(norms).all()) else \
+            names[int((~torch.isfinite(norms)).nonzero()[0])]
+        if math.isfinite(loss) and bad_grad is None:
+            return
+        micro = next((i for i, x in enumerate(losses) if not bool(torch.isfinite(x))), None)
+        what = f"loss {loss}" if not math.isfinite(loss) else f"gradient of {bad_grad}"
+        where = f"update {update + 1}" + ("" if micro is None else f", micro-batch {micro + 1}")
+        raise Diverged(f"diverged: non-finite {what} at {where}; lower the learning rates "
+                       f"(--set train.lr_muon=..., train.lr_embed=...) and start a new run",
+                       {"reason": "diverged", "update_index": update, "micro_batch": micro,
+                        "loss": loss if math.isfinite(loss) else str(loss), "first_nonfinite_grad": bad_grad})
 
     def measure_alignment(self, batches) -> dict:
         """The accumulated gradient of this update against the exact gradient of the same micro-batches, per
@@ -173,20 +211,29 @@ class Trainer:
                 "schedule": self.plan.schedule.state_dict(),
                 "loader": self.loader.state_dict(), "update": self.update_index, "config": self.cfg.to_dict()}
 
-    def save_checkpoint(self, path) -> None:
-        tmp = f"{path}.tmp"
-        torch.save(self.state_dict(), tmp)
-        os.replace(tmp, path)
+    def save_checkpoint(self, path, keep: int | None = None) -> None:
+        """Write a checkpoint atomically (a failed write leaves the previous ones intact), then remove all but
+        the newest `keep` of its folder (default train.keep_checkpoints; 0 keeps all)."""
+        state = self.state_dict()
+        atomic_save(path, lambda tmp: torch.save(state, tmp))
+        keep = self.cfg.train.keep_checkpoints if keep is None else keep
+        if keep:
+            for old in checkpoints(os.path.dirname(path) or ".")[:-keep]:
+                old.unlink(missing_ok=True)
 
     def save_model(self, path) -> None:
         """The trained model alone (what `creditlab heldout` evaluates), with the config that built it."""
-        tmp = f"{path}.tmp"
-        torch.save({"model": self.model.state_dict(), "config": self.cfg.to_dict(), "update": self.update_index},
-                   tmp)
-        os.replace(tmp, path)
+        state = {"model": self.model.state_dict(), "config": self.cfg.to_dict(), "update": self.update_index}
+        atomic_save(path, lambda tmp: torch.save(state, tmp))
 
-    def load_checkpoint(self, path) -> None:
-        state = torch.load(path, map_location=self.runtime.device, weights_only=True)
+    def load_checkpoint(self, path_or_state, config: dict | None = None) -> None:
+        """Restore a checkpoint (a path, or what read_checkpoint returned). It must have been written under
+        `config` (default: this trainer's): a checkpoint of another configuration is refused, naming the keys."""
+        state = read_checkpoint(path_or_state) if isinstance(path_or_state, (str, os.PathLike)) else path_or_state
+        differ = config_diff(state["config"], self.cfg.to_dict() if config is None else config)
+        if differ:
+            raise CheckpointMismatch(f"the checkpoint was written under another config ({'; '.join(differ)}); "
+                                     f"resume it with the config it was written under, or start a new run")
         self.model.load_state_dict(state["model"])
         self.optimizers.load_state_dict(state["optimizers"])
         self.source.load_state_dict(state["source"])
@@ -218,9 +265,10 @@ class Trainer:
         return row
 
     def run(self, updates: int | None = None, progress: bool = True, on_row=None, evaluator=None, on_eval=None,
-            align_every: int = 0) -> list[UpdateRow]:
+            align_every: int = 0, on_warning=None) -> list[UpdateRow]:
         """Train `updates` updates (default: the rest of train.updates). With an `evaluator`, the model is also
-        evaluated before the first update of a fresh run, every train.eval_every updates and after the last."""
+        evaluated before the first update of a fresh run, every train.eval_every updates and after the last.
+        A stalled loss (LossWatch) is said as a warning line and handed to `on_warning` as a dict."""
         from tqdm import tqdm
 
         count = updates if updates is not None else self.cfg.train.updates - self.update_index
@@ -240,7 +288,55 @@ class Trainer:
             bar.set_postfix(loss=f"{row.loss:.3f}", s=f"{row.seconds:.3f}")
             if self.runtime.is_main and (row.update % self.cfg.train.log_every == 0 or row.update == total - 1):
                 say(row.line(total))
+            warning = self.watch.observe(row.loss) if self.watch is not None else None
+            if warning is not None and self.runtime.is_main:
+                say(f"warning: {warning}")
+                if on_warning is not None:
+                    on_warning({"update": row.update, "warning": warning})
         return rows
+
+
+def checkpoints(folder) -> list:
+    """A record's checkpoints, oldest first (their names sort by update)."""
+    from pathlib import Path
+
+    return sorted(Path(folder).glob("checkpoint_*.pt"))
+
+
+def read_checkpoint(path) -> dict:
+    # To the CPU: load_state_dict copies every tensor to its parameter's device and dtype.
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def config_diff(a: dict, b: dict) -> list[str]:
+    """`section.key: a != b` for every key whose value differs (or that only one side has)."""
+    flat = lambda d: {f"{s}.{k}": v for s, values in d.items() for k, v in values.items()}  # noqa: E731
+    fa, fb = flat(a), flat(b)
+    return [f"{k}: {fa.get(k, '(absent)')!r} != {fb.get(k, '(absent)')!r}" for k in sorted(fa.keys() | fb.keys())
+            if fa.get(k, "(absent)") != fb.get(k, "(absent)")]
+
+
+class LossWatch:
+    """Warns once per episode when the loss has sat near chance (ln V) or more than 1 nat above its running
+    minimum for `updates` updates in a row: a run that is not learning, before it wastes its budget."""
+
+    def __init__(self, vocab_size: int, updates: int):
+        self.chance, self.updates = math.log(vocab_size), updates
+        self.best, self.count = math.inf, 0
+
+    def observe(self, loss: float) -> str | None:
+        self.best = min(self.best, loss)
+        near_chance = abs(loss - self.chance) <= 0.02 * self.chance
+        if near_chance or loss > self.best + 1.0:
+            self.count += 1
+        else:
+            self.count = 0
+        if self.count != self.updates:  # once, when the episode reaches its length
+            return None
+        why = (f"near chance ln(V) = {self.chance:.3f}" if near_chance else
+               f"more than 1 nat above its minimum {self.best:.4f}")
+        return (f"loss {loss:.4f} has stayed {why} for {self.updates} updates; check the learning rates "
+                f"(train.lr_*) and the data (train.stall_updates=0 turns this warning off)")
 
 
 def latest_rows(rows: list[dict]) -> list[dict]:

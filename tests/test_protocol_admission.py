@@ -184,7 +184,8 @@ def test_cli_admit_json_and_refusal_on_an_altered_copy(tmp_path, capsys):
     out = tmp_path / "runs"
     assert cli.main(["admit", "--preset", "tiny", "--set", f"train.out_dir={out}", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
-    assert set(printed) == {"admission", "files"}
+    assert set(printed) == {"admission", "files", "created", "verdict", "cosmetic_differences"}
+    assert printed["created"] is True and printed["verdict"] is None and printed["cosmetic_differences"] == {}
     a = adm.load(out / "admissions" / printed["admission"])
     n_sources = len(adm.source_paths(adm.package_root()))
     assert printed["files"] == len(a.files) and n_sources + 1 <= printed["files"] <= n_sources + 3
@@ -224,3 +225,70 @@ def test_an_edited_shard_is_refused_though_the_manifest_is_untouched(tmp_path, t
         adm.admit(cfg_for(tmp_path, "data.source=shards", f"data.dir={data}", "screen.updates=7"), root=tree)
     (data / shard).unlink()
     assert {c.path: c.status for c in adm.verify(a, tree).checks}[f"data/{shard}"] == "missing"
+
+
+# ---- one experiment, one admission ------------------------------------------------------------------------
+
+def test_cosmetic_keys_are_valid_config_keys():
+    assert set(adm.COSMETIC_KEYS) <= set(config.valid_keys())
+    assert {"train.log_every", "train.out_dir"} <= set(adm.COSMETIC_KEYS)
+
+
+def _changed(value):
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    return f"{value}x"
+
+
+def test_every_key_but_the_cosmetic_ones_makes_another_experiment():
+    files = [adm.FrozenFile("creditlab/model.py", "source", "0" * 64),
+             adm.FrozenFile("config.json", "config", "1" * 64)]
+    base = config.load("tiny").to_dict()
+    key = adm.experiment_key(files, base)
+    for name in config.valid_keys():
+        section, _, field = name.partition(".")
+        other = json.loads(json.dumps(base))
+        other[section][field] = _changed(other[section][field])
+        same = adm.experiment_key(files, other) == key
+        assert same == (name in adm.COSMETIC_KEYS), name
+    # The frozen files count too (the config's own hash does not: its content is compared without cosmetic keys).
+    changed = [adm.FrozenFile("creditlab/model.py", "source", "2" * 64), files[1]]
+    assert adm.experiment_key(changed, base) != key
+    assert adm.experiment_key([files[0], adm.FrozenFile("config.json", "config", "3" * 64)], base) == key
+
+
+def test_admitting_an_experiment_again_with_cosmetic_changes_names_the_first(tmp_path, tree):
+    base = tmp_path / "store"
+    first, created = adm.admit(cfg_for(tmp_path), out_dir=base, root=tree)
+    assert created and first.meta["experiment"] == adm.experiment_of(first)
+    adm.record_verdict(first, {"verdict": "timing_miss", "record_dir": "runs/first", "time": "t", "repair": None})
+    again, created = adm.admit(cfg_for(tmp_path, "train.log_every=3", f"train.out_dir={tmp_path / 'elsewhere'}"),
+                               out_dir=base, root=tree)
+    assert not created and again.id == first.id
+    assert again.cosmetic_differences == {"train.log_every": [10, 3],
+                                          "train.out_dir": [str(tmp_path / "runs"), str(tmp_path / "elsewhere")]}
+    assert adm.verdicts(again)[0]["verdict"] == "timing_miss"
+    assert [p.name for p in (base / adm.ADMISSIONS).iterdir()] == [first.id]  # no second admission
+    # The admitted config is what runs: the earlier one's, cosmetic keys and all.
+    assert again.config().train.log_every == 10
+    # A key that changes the arms is another experiment.
+    other, created = adm.admit(cfg_for(tmp_path, "train.lr_muon=0.03"), out_dir=base, root=tree)
+    assert created and other.id != first.id and other.cosmetic_differences == {}
+
+
+def test_cli_admit_names_the_earlier_admission_and_its_verdict(tmp_path, capsys):
+    store = tmp_path / "store"
+    args = ["admit", "--preset", "tiny", "--out-dir", str(store), "--json"]
+    assert cli.main([*args, "--set", "train.log_every=10"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    adm.record_verdict(adm.find(first["admission"], store),
+                       {"verdict": "pass", "record_dir": "runs/x", "time": "t", "repair": None})
+    assert cli.main([*args, "--set", "train.log_every=1"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["admission"] == first["admission"] and again["created"] is False
+    assert again["verdict"] == "pass" and again["cosmetic_differences"] == {"train.log_every": [10, 1]}
+    assert cli.main(args[:-1] + ["--set", "train.log_every=2"]) == 0
+    printed = capsys.readouterr().out
+    assert "the same experiment as this earlier admission" in printed and "already has a verdict: pass" in printed

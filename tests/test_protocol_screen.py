@@ -1,5 +1,6 @@
 """The resource screen on the CPU: records, identical initialization and inputs (and that their checks catch a
-difference), an injected out-of-memory error, the cap, admitted screens with one verdict and one repair.
+difference), an injected out-of-memory error, the cap, admitted screens with one verdict and one repair, arms
+interleaved, CPU screens exploratory, killed screens and their retries.
 
 The synthetic arm runs the `zero` source here (a stand-in that needs nothing fitted); the runner takes any source
 that omits the 16 products."""
@@ -8,6 +9,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +35,17 @@ def cfg_for(tmp_path, *overrides):
 def screen(cfg, **kw):
     kw.setdefault("log", io.StringIO())
     return scr.run_screen(cfg, **kw)
+
+
+# Rounds of the interleaved arms: (arm, update) in the order they run, the order rotated each round.
+INTERLEAVED = [("native", 0), ("synthetic", 0), ("synthetic", 1), ("native", 1),
+               ("native", 2), ("synthetic", 2), ("synthetic", 3), ("native", 3)]
+
+
+@pytest.fixture
+def decisive(monkeypatch):
+    """Let this CPU decide, as a GPU does: for the tests of what a final verdict records."""
+    monkeypatch.setattr(scr, "cannot_decide", lambda runtime: None)
 
 
 def tree(root: Path) -> Path:
@@ -96,8 +112,9 @@ def test_exploratory_screen_writes_a_complete_record(tmp_path):
     cfg = cfg_for(tmp_path, "screen.ratio_gate=100", "screen.memory_cap_mib=4000")
     out = screen(cfg)
     r, rec = out.result, out.record_dir
-    assert out.exit_code == 0 and r["verdict"] == "pass"
-    assert r["mode"] == "exploratory" and r["admission"] is None and r["stand_in"] is True
+    assert out.exit_code == 0 and r["measured"] == "pass" and r["verdict"] is None and out.verdict is None
+    assert r["mode"] == "exploratory" and r["admission"] is None and r["stand_in"] is True and r["final"] is False
+    assert r["schedule"] == "interleaved"
     for name in ("config.json", "arms.json", "env.json", "admission.json", "rows.jsonl", "result.json", "report.md",
                  "sources.json"):
         assert (rec / name).exists(), name
@@ -110,9 +127,10 @@ def test_exploratory_screen_writes_a_complete_record(tmp_path):
     copied = json.loads((rec / "sources.json").read_text())["files"]
     assert copied and all((rec / "source" / f["path"]).exists() for f in copied)
     assert any(f["path"] == "creditlab/protocol/screen.py" for f in copied)
-    # Rows: one per update and arm, in order, with the micro-batch hashes of that update.
+    # Rows: one per update and arm, interleaved, with the micro-batch hashes of that update.
     rows = read_jsonl(rec / "rows.jsonl")
-    assert [(x["arm"], x["update"]) for x in rows] == [(a, u) for a in scr.ARMS for u in range(UPDATES)]
+    assert [(x["arm"], x["update"]) for x in rows] == INTERLEAVED
+    assert [(x["round"], x["position"]) for x in rows] == [(u, p) for u in range(UPDATES) for p in (0, 1)]
     assert all(x["kind"] == ("native" if x["arm"] == "native" else "synthetic") for x in rows)
     assert all(len(x["inputs_sha256"]) == 2 and x["seconds"] > 0 and x["peak_allocated_mib"] is None for x in rows)
     by_arm = {a: [h for x in rows if x["arm"] == a for h in x["inputs_sha256"]] for a in scr.ARMS}
@@ -122,18 +140,19 @@ def test_exploratory_screen_writes_a_complete_record(tmp_path):
     assert r["arms"]["native"]["init_sha256"] == r["arms"]["synthetic"]["init_sha256"] == r["identical_init"]["sha256"]
     assert r["arms"]["native"]["inputs"]["sha256"] == by_arm["native"]
     # Same start, same data: the first update's loss is the same in both arms.
-    assert rows[0]["loss"] == pytest.approx(rows[UPDATES]["loss"], rel=1e-6)
+    assert rows[0]["loss"] == pytest.approx(rows[1]["loss"], rel=1e-6)
     # Gates on the CPU: the peak gate is not applicable.
     assert r["gates"]["peak"]["outcome"] == "n/a" and r["gates"]["ratio"]["outcome"] == "pass"
     assert r["arms"]["synthetic"]["median_last2_s"] > 0
     report = (rec / "report.md").read_text()
-    assert "Exploratory screen" in report and "**Verdict: pass.**" in report and "| native | exact | 4/4 |" in report
+    assert "Exploratory screen" in report and "**Exploratory, no verdict.** Measured: pass." in report
+    assert "**Verdict" not in report and "| native | exact | 4/4 |" in report and "interleaved" in report
     assert "Stand-in synthetic source `zero`" in report
 
 
 def test_timing_miss_and_cap_miss_exit_codes(tmp_path):
     out = screen(cfg_for(tmp_path, "screen.ratio_gate=0.0001"))
-    assert (out.verdict, out.exit_code) == ("timing_miss", 4)
+    assert (out.measured, out.exit_code) == ("timing_miss", 4)
     assert out.result["decided_by"]["name"] == "ratio"
     now = {"t": 0.0}
 
@@ -142,13 +161,13 @@ def test_timing_miss_and_cap_miss_exit_codes(tmp_path):
             now["t"] = 10.0
 
     out = screen(cfg_for(tmp_path, "screen.cap_gpu_s=5"), hooks=scr.Hooks(micro_batch=jump, clock=lambda: now["t"]))
-    assert (out.verdict, out.exit_code) == ("cap_miss", 5)
+    assert (out.measured, out.exit_code) == ("cap_miss", 5)
     rows = read_jsonl(out.record_dir / "rows.jsonl")
-    assert [(x["arm"], x["update"]) for x in rows] == [("native", 0), ("native", 1)]  # stopped at the cap
+    assert [(x["arm"], x["update"]) for x in rows] == INTERLEAVED[:4]  # stopped at the cap
     assert out.result["cap_hit"] is True and out.result["gates"]["ratio"]["outcome"] == "not measured"
     assert out.result["occupied_s"] == 10.0 and out.result["decided_by"]["measured"] == 10.0
-    out = screen(cfg_for(tmp_path, "screen.cap_gpu_s=0"))  # over the cap before the first arm starts
-    assert (out.verdict, out.exit_code) == ("cap_miss", 5) and read_jsonl(out.record_dir / "rows.jsonl") == []
+    out = screen(cfg_for(tmp_path, "screen.cap_gpu_s=0"))  # over the cap before the first update
+    assert (out.measured, out.exit_code) == ("cap_miss", 5) and read_jsonl(out.record_dir / "rows.jsonl") == []
 
 
 def test_injected_out_of_memory_is_a_recorded_capacity_miss(tmp_path):
@@ -158,12 +177,12 @@ def test_injected_out_of_memory_is_a_recorded_capacity_miss(tmp_path):
 
     out = screen(cfg_for(tmp_path), hooks=scr.Hooks(micro_batch=fault))
     r, rec = out.result, out.record_dir
-    assert (out.verdict, out.exit_code) == ("capacity_miss", 3)
+    assert (out.measured, out.exit_code) == ("capacity_miss", 3)
     assert r["decided_by"]["name"] == "oom" and r["decided_by"]["measured"] == "synthetic"
-    # Every row measured before it is there: all native updates, and the synthetic updates 1 and 2.
+    # Every row measured before it is there (the rounds before it, and native's update 3, first in round 3);
+    # the screen stops at the error.
     rows = read_jsonl(rec / "rows.jsonl")
-    assert [(x["arm"], x["update"]) for x in rows] == [("native", u) for u in range(UPDATES)] + \
-        [("synthetic", 0), ("synthetic", 1)]
+    assert [(x["arm"], x["update"]) for x in rows] == INTERLEAVED[:5]
     oom = r["arms"]["synthetic"]["oom"]
     assert oom["update"] == 2 and oom["micro_batch"] == 1 and oom["type"] == "OutOfMemoryError"
     assert "Tried to allocate 128.00 MiB (injected)" in oom["message"]
@@ -174,7 +193,7 @@ def test_injected_out_of_memory_is_a_recorded_capacity_miss(tmp_path):
     assert "OutOfMemoryError" in tb and "in fault" in tb and "train_update" in tb
     assert r["identical_inputs"]["match"] and r["identical_inputs"]["compared"] == 5
     report = (rec / "report.md").read_text()
-    assert "**Verdict: capacity miss.**" in report and "Out of memory in the synthetic arm at update 3" in report
+    assert "capacity miss measured" in report and "Out of memory in the synthetic arm at update 3" in report
 
 
 def test_a_different_initialization_is_caught(tmp_path):
@@ -187,7 +206,7 @@ def test_a_different_initialization_is_caught(tmp_path):
     assert out.exit_code == 6 and out.verdict is None
     assert "identical initialization violated" in out.result["invalid"]
     assert (out.record_dir / "traceback.txt").exists()
-    assert len(read_jsonl(out.record_dir / "rows.jsonl")) == UPDATES  # the native rows are kept
+    assert read_jsonl(out.record_dir / "rows.jsonl") == []  # both arms are built before the first round
     assert "No verdict: invalid screen" in (out.record_dir / "report.md").read_text()
 
 
@@ -210,13 +229,14 @@ def test_an_error_is_recorded_not_lost(tmp_path):
 
     out = screen(cfg_for(tmp_path), hooks=scr.Hooks(micro_batch=fail))
     assert out.exit_code == 1 and out.verdict is None and "loss is nan" in out.result["error"]
-    assert len(read_jsonl(out.record_dir / "rows.jsonl")) == 1
+    rows = read_jsonl(out.record_dir / "rows.jsonl")
+    assert [(x["arm"], x["update"]) for x in rows] == INTERLEAVED[:3]  # all it measured before the error
     assert "FloatingPointError" in (out.record_dir / "traceback.txt").read_text()
 
 
 # ---- under an admission ------------------------------------------------------------------------------------
 
-def test_admitted_screen_one_verdict_one_repair(tmp_path):
+def test_admitted_screen_one_verdict_one_repair(tmp_path, decisive):
     root = tree(tmp_path / "repo")
     cfg = cfg_for(tmp_path, "screen.ratio_gate=0.0001")  # a timing miss, deterministically
     a, _ = adm.admit(cfg, root=root)
@@ -239,7 +259,9 @@ def test_admitted_screen_one_verdict_one_repair(tmp_path):
     assert [x["repair"] for x in adm.verdicts(a)] == [None, "native optimizer misconfigured"]
     with pytest.raises(adm.AdmissionConsumed, match="one repair was used"):
         scr.admitted_screen(a.id, runs, root=root, repair="again", log=io.StringIO())
-    assert len(adm.verdicts(a)) == 2 and len(adm.screens(a)) == 2
+    assert len(adm.verdicts(a)) == 2
+    assert [x["status"] for x in adm.attempts(a)] == ["timing_miss", "timing_miss"]
+    assert [x["retry_of"] for x in adm.verdicts(a)] == [[], []]  # neither retried a screen without a verdict
 
 
 def test_admitted_screen_refuses_a_changed_file(tmp_path):
@@ -255,9 +277,146 @@ def test_cli_screen_json(tmp_path, capsys):
     code = cli.main(["screen", "--preset", "tiny", "--json", "--set", f"train.out_dir={tmp_path / 'runs'}",
                      *[x for s in SMALL for x in ("--set", s)], "--set", "screen.ratio_gate=100"])
     out = json.loads(capsys.readouterr().out)
-    assert code == 0 and out["verdict"] == "pass" and out["admission"] is None
+    assert code == 0 and out["verdict"] is None and out["measured"] == "pass" and out["admission"] is None
+    assert "no admission" in out["exploratory"]
     assert set(out) >= {"verdict", "ratio", "arms", "gates", "record_dir", "admission"}
     assert set(out["arms"]) == {"native", "synthetic"}
     for a in out["arms"].values():
         assert a["updates"] == UPDATES and a["peak_mib"] is None and a["median_last2_s"] > 0
     assert isinstance(out["ratio"], float) and Path(out["record_dir"]).is_dir()
+
+
+# ---- arms interleaved --------------------------------------------------------------------------------------
+
+def _busy_from_half(updates: int, grad_accum: int, delay: float):
+    """A host that turns busy halfway through the screen: every micro-batch read after the first half of all
+    reads (both arms) is slowed by `delay` seconds."""
+    reads = {"n": 0}
+    half = updates * grad_accum  # of 2 * updates * grad_accum reads in all
+
+    def hook(arm, update, micro):
+        reads["n"] += 1
+        if reads["n"] > half:
+            time.sleep(delay)
+    return hook
+
+
+def _sequential(arms, rounds, step, *, stop=None, after_round=None):
+    """The old schedule: each arm's updates back to back (the control of the test below)."""
+    from creditlab.arms_runner import Step
+    for arm in arms:
+        for r in range(rounds):
+            if stop is not None and stop():
+                return
+            step(Step(r, 0, arm))
+
+
+def test_a_host_turning_busy_slows_both_interleaved_arms_alike(tmp_path, monkeypatch):
+    cfg = cfg_for(tmp_path, "screen.ratio_gate=100")
+    out = screen(cfg, hooks=scr.Hooks(micro_batch=_busy_from_half(UPDATES, 2, 0.15)))
+    assert 0.6 < out.result["ratio"] < 1.6, out.result["ratio"]  # the last-2 windows of both arms are busy
+    # Control: the same busy host with the arms one after the other lands on the synthetic arm alone, the
+    # failure the interleaving exists to prevent (same config, `pass` once and `timing_miss` seven times).
+    monkeypatch.setattr(scr, "run_rounds", _sequential)
+    control = screen(cfg, hooks=scr.Hooks(micro_batch=_busy_from_half(UPDATES, 2, 0.15)))
+    assert control.result["ratio"] > 1.8, control.result["ratio"]
+
+
+def test_the_screen_and_the_benchmark_share_one_runner():
+    from benchmark_scripts import load
+    from creditlab import arms_runner
+
+    bench = load("arms")
+    assert scr.run_rounds is arms_runner.run_rounds and bench.run_rounds is arms_runner.run_rounds
+    assert bench.rotation is arms_runner.rotation and bench.OwnMemory is arms_runner.OwnMemory
+
+
+# ---- a screen on the CPU is exploratory ---------------------------------------------------------------------
+
+def test_an_admitted_screen_on_the_cpu_records_no_verdict(tmp_path):
+    root = tree(tmp_path / "repo")
+    a, _ = adm.admit(cfg_for(tmp_path, "screen.ratio_gate=0.0001"), root=root)
+    runs = tmp_path / "runs"
+    log = io.StringIO()
+    first, _ = scr.admitted_screen(a.id, runs, root=root, log=log)
+    r = first.result
+    assert r["mode"] == "exploratory" and r["final"] is False and r["admission"] == a.id
+    assert first.verdict is None and r["verdict"] is None and first.measured == "timing_miss"
+    assert first.exit_code == 4  # the code of what it measured
+    assert "CPU" in r["exploratory"] and "Exploratory, no verdict" in log.getvalue()
+    report = (first.record_dir / "report.md").read_text()
+    assert "Exploratory screen under admission" in report and "**Verdict" not in report
+    assert adm.verdicts(a) == []  # nothing final under the admission
+    again, _ = scr.admitted_screen(a.id, runs, root=root, log=io.StringIO())  # not consumed
+    assert [x["status"] for x in adm.attempts(a)] == ["exploratory", "exploratory"]
+    assert again.result["retry_of"] == []  # an exploratory screen is not a failed attempt
+
+
+def test_the_cli_marks_a_cpu_screen_under_an_admission_exploratory(tmp_path, capsys):
+    root = tree(tmp_path / "repo")
+    a, _ = adm.admit(cfg_for(tmp_path, "screen.ratio_gate=100"), root=root)
+    outcome, _ = scr.admitted_screen(a.id, tmp_path / "runs", root=root, log=io.StringIO())
+    assert outcome.exit_code == 0 and outcome.verdict is None and outcome.measured == "pass"
+    assert "exploratory, pass measured, no verdict" in (outcome.record_dir / "report.md").read_text()
+
+
+# ---- a screen killed before its verdict, and its retry ------------------------------------------------------
+
+def test_an_interrupted_screen_makes_the_next_one_a_retry(tmp_path, decisive):
+    root = tree(tmp_path / "repo")
+    a, _ = adm.admit(cfg_for(tmp_path, "screen.ratio_gate=0.0001"), root=root)
+    runs = tmp_path / "runs"
+
+    def interrupt(arm, update, micro):
+        if (arm, update) == ("synthetic", 1):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        scr.admitted_screen(a.id, runs, root=root, hooks=scr.Hooks(micro_batch=interrupt), log=io.StringIO())
+    (interrupted,) = adm.attempts(a)
+    assert interrupted["status"] == "interrupted" and adm.verdicts(a) == []
+    retry, _ = scr.admitted_screen(a.id, runs, root=root, log=io.StringIO())
+    assert [x["record_dir"] for x in retry.result["retry_of"]] == [interrupted["record_dir"]]
+    assert adm.verdicts(a)[0]["retry_of"] == [interrupted["record_dir"]]
+    assert f"retry of `{interrupted['record_dir']}`" in (retry.record_dir / "report.md").read_text()
+
+
+KILLED = """
+import io, os, sys
+from creditlab.protocol import screen as scr
+scr.cannot_decide = lambda runtime: None  # as on a GPU
+
+def kill(arm, update, micro):
+    if (arm, update) == ("synthetic", 1):
+        os._exit(137)  # no handler runs: as SIGKILL, or the machine going away
+
+scr.admitted_screen(sys.argv[1], sys.argv[2], root=sys.argv[3], hooks=scr.Hooks(micro_batch=kill),
+                    log=io.StringIO())
+"""
+
+
+def test_a_killed_screen_leaves_a_record_and_the_next_is_its_retry(tmp_path, decisive):
+    root = tree(tmp_path / "repo")
+    a, _ = adm.admit(cfg_for(tmp_path, "screen.ratio_gate=0.0001"), root=root)
+    runs = tmp_path / "runs"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(scr.__file__).parents[2]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", KILLED, a.id, str(runs), str(root)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 137, done.stderr
+    (killed,) = adm.attempts(a)
+    assert killed["status"] == "unfinished" and adm.verdicts(a) == []
+    record = Path(killed["record_dir"])
+    assert (record / "config.json").exists() and not (record / "result.json").exists()  # started, not finished
+    assert [(x["arm"], x["update"]) for x in read_jsonl(record / "rows.jsonl")] == INTERLEAVED[:2]
+    assert [x["record_dir"] for x in adm.may_screen(a)["retry_of"]] == [str(record)]
+
+    retry, _ = scr.admitted_screen(a.id, runs, root=root, log=io.StringIO())
+    assert retry.verdict == "timing_miss"
+    (verdict,) = adm.verdicts(a)
+    assert verdict["retry_of"] == [str(record)] and verdict["record_dir"] == str(retry.record_dir)
+    assert retry.result["retry_of"][0]["status"] == "unfinished"
+    assert "started, not finished" in (retry.record_dir / "report.md").read_text()
+    # A verdict settles it: the one repair after it retries nothing.
+    repair, _ = scr.admitted_screen(a.id, runs, root=root, repair="a fix", log=io.StringIO())
+    assert repair.result["retry_of"] == [] and adm.verdicts(a)[1]["retry_of"] == []

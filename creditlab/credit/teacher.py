@@ -304,7 +304,8 @@ class Teacher(Teaching):
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
-        self.moments = state.get("moments")
+        moments = state.get("moments")  # checkpoints are read to the CPU; the moments live with the decoders
+        self.moments = None if moments is None else [m.to(self.decoders.device) for m in moments]
 
 
 class LearnedTeacher(Teacher):

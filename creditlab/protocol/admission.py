@@ -11,19 +11,25 @@ An admission lists every file a run depends on, each with its SHA256:
   is refused at admission.
 
 The admission id is the SHA256 of that list (path, role, sha256; canonical JSON), so the same inputs always
-give the same id, and admitting them again finds the admission (and its verdict) already there. Layout:
+give the same id, and admitting them again finds the admission (and its verdict) already there. Inputs that
+differ only in cosmetic config keys (COSMETIC_KEYS: where records go, how often a line is printed) are the
+same experiment: admitting them finds the earlier admission of that experiment in the same admissions folder,
+with its verdict, instead of opening a second one. Layout:
 
     <train.out_dir>/admissions/<id>/
         admission.json   the list and what it was made from; written last
         files/...        a copy of every frozen file but the shards, byte for byte
         verdicts.jsonl   one line per verdict reached under this admission (append-only)
-        screens.jsonl    one line per screen started under it, with its record folder (append-only)
+        screens.jsonl    a `started` line per screen started under it, with its record folder, written before
+                         it measures anything, and a `finished` line when it ends (append-only): a screen
+                         killed before its verdict is one started and never finished
 
 A run under an admission verifies every frozen file (the live file and the stored copy against the listed
 SHA256; shards have no copy, and their digests may come from the data folder's hash cache, see
 creditlab/data/integrity.py; package sources added since admission count as mismatches) and refuses to start
 on any mismatch, naming the files. One verdict per admission: a second screen is refused, except one `repair` (for a
-correctness mismatch), which the records mark.
+correctness mismatch), which the records mark. A screen after attempts that reached no verdict (killed,
+interrupted, failed) is a retry, and its record and verdict name those attempts.
 """
 
 from __future__ import annotations
@@ -56,6 +62,12 @@ UNCOPIED = ("data_shard",)  # roles frozen by hash only
 ROLES = ("source", "config", "data_manifest", "data_shard")
 PACKAGE = "creditlab"
 
+# Config keys that change nothing an arm computes or measures: where records are written and how often a line
+# is printed. Two admissions that differ only in these are one experiment: admitting the second names the
+# first (and its verdict) instead of opening a second, independent verdict. Every other key counts, including
+# any key added later, until it is listed here.
+COSMETIC_KEYS = ("train.log_every", "train.out_dir", "train.keep_checkpoints", "train.stall_updates")
+
 
 class AdmissionError(RuntimeError):
     """A refusal: the run does not start. The message says why and what to do."""
@@ -84,6 +96,9 @@ class Admission:
     dir: Path
     files: list[FrozenFile]
     meta: dict = field(default_factory=dict)
+    # Set by `admit` when it returns an earlier admission of the same experiment: key -> [admitted, requested]
+    # for each cosmetic key whose value differs. Not stored.
+    cosmetic_differences: dict = field(default_factory=dict)
 
     @property
     def config_text(self) -> str:
@@ -180,6 +195,11 @@ def admit(cfg: Config, out_dir: str | os.PathLike | None = None, root: str | os.
     final = base / ident
     if (final / ADMISSION_FILE).exists():
         return load(final), False
+    experiment = experiment_key(files, cfg.to_dict())
+    same = same_experiment(base, experiment)
+    if same is not None:
+        same.cosmetic_differences = cosmetic_differences(json.loads(same.config_text), cfg.to_dict())
+        return same, False
     base.mkdir(parents=True, exist_ok=True)
     manifest = manifest_file(cfg)
     counts = {role: sum(f.role == role for f in files) for role in ROLES}
@@ -194,6 +214,7 @@ def admit(cfg: Config, out_dir: str | os.PathLike | None = None, root: str | os.
                          "applies; the config (frozen) fixes the stream"}),
         "git_sha": rt.git_sha(), "git_dirty": rt.git_dirty(),
         "id_rule": "sha256 of canonical JSON of [{path, role, sha256}] sorted by path",
+        "experiment": experiment, "cosmetic_keys": list(COSMETIC_KEYS),
     }
     staging = base / f".staging-{ident[:16]}-{secrets.token_hex(3)}"
     staging.mkdir()
@@ -208,6 +229,54 @@ def admit(cfg: Config, out_dir: str | os.PathLike | None = None, root: str | os.
         raise AdmissionError(f"{final} exists but holds no {ADMISSION_FILE} (an interrupted admission); "
                              f"move it aside and admit again; the new admission is left in {staging}") from None
     return load(final), True
+
+
+# ---- one experiment, one admission ------------------------------------------------------------------------
+
+def _without_cosmetic(config: dict) -> dict:
+    out = {section: dict(values) for section, values in config.items()}
+    for key in COSMETIC_KEYS:
+        section, _, name = key.partition(".")
+        out.get(section, {}).pop(name, None)
+    return out
+
+
+def experiment_key(files: list[FrozenFile], config: dict) -> str:
+    """What the arms depend on: every frozen file but the config (sources, data manifest, shards), and the
+    config without its cosmetic keys. Equal keys: the same experiment, however its records are labelled."""
+    listing = [{"path": f.path, "role": f.role, "sha256": f.sha256}
+               for f in sorted(files, key=lambda f: f.path) if f.role != "config"]
+    return hashlib.sha256(canonical_json({"files": listing, "config": _without_cosmetic(config)}).encode()
+                          ).hexdigest()
+
+
+def experiment_of(adm: Admission) -> str:
+    """The experiment key of an admission, from its listing and stored config (admissions made before the key
+    was recorded have it computed the same way)."""
+    return experiment_key(adm.files, json.loads(adm.config_text))
+
+
+def cosmetic_differences(admitted: dict, requested: dict) -> dict:
+    out = {}
+    for key in COSMETIC_KEYS:
+        section, _, name = key.partition(".")
+        a, b = admitted.get(section, {}).get(name), requested.get(section, {}).get(name)
+        if a != b:
+            out[key] = [a, b]
+    return out
+
+
+def same_experiment(base: Path, experiment: str) -> Admission | None:
+    """The earliest admission under base of the same experiment, or None."""
+    found = []
+    for meta_path in sorted(base.glob(f"*/{ADMISSION_FILE}")) if base.is_dir() else []:
+        try:
+            adm = load(meta_path.parent)
+            if experiment_of(adm) == experiment:
+                found.append(adm)
+        except (AdmissionError, OSError, ValueError, KeyError):
+            continue  # an unreadable or altered admission is no precedent; verifying it refuses it by name
+    return min(found, key=lambda a: (a.meta.get("created", ""), a.id)) if found else None
 
 
 # ---- finding an admission ----------------------------------------------------------------------------------
@@ -384,11 +453,36 @@ def screens(adm: Admission) -> list[dict]:
     return read_jsonl(path) if path.exists() else []
 
 
+# How a screen started under an admission ended, when it reached no verdict: `unfinished` (started and never
+# finished: killed, or its machine died), `interrupted`, `error`, `invalid`. Each makes the next screen a retry.
+NO_VERDICT = ("unfinished", "interrupted", "error", "invalid")
+
+
+def attempts(adm: Admission) -> list[dict]:
+    """Every screen started under the admission, in order: {record_dir, time, repair, final, status}, the status
+    its verdict, `exploratory` (it ran where no verdict can be final), or one of NO_VERDICT."""
+    verdict_of = {v["record_dir"]: v["verdict"] for v in verdicts(adm)}
+    started, ended = [], {}
+    for entry in screens(adm):
+        if entry.get("event", "started") == "started":  # lines written before events were named are starts
+            started.append(entry)
+        else:
+            ended[entry["record_dir"]] = entry.get("outcome")
+    out = []
+    for entry in started:
+        where = entry["record_dir"]
+        status = verdict_of.get(where) or ended.get(where) or "unfinished"
+        out.append({"record_dir": where, "time": entry.get("time"), "repair": entry.get("repair"),
+                    "final": entry.get("final", True), "status": status})
+    return out
+
+
 def may_screen(adm: Admission, repair: str | None = None) -> dict:
     """Whether a screen may run under this admission now; raises AdmissionConsumed if not.
 
     Returns what the new record should say: {"repair": reason or None, "earlier_verdicts": [...],
-    "unfinished_screens": [...]} (screens started here that reached no verdict: errors or interruptions)."""
+    "unfinished_screens": [...] (screens started here that reached no verdict), "retry_of": [...] (the
+    attempts since the last verdict that could have reached one and did not: the new screen retries them)}."""
     done = verdicts(adm)
     if repair is not None and not repair.strip():
         raise AdmissionError("--repair needs a reason: the correctness mismatch that the repair addresses")
@@ -409,8 +503,15 @@ def may_screen(adm: Admission, repair: str | None = None) -> dict:
                 f"admission {adm.id[:16]} already has a verdict: {earlier}. One verdict per admission; a "
                 "correctness mismatch may be repaired once with --repair \"reason\"")
     verdict_dirs = {v["record_dir"] for v in done}
-    unfinished = [s["record_dir"] for s in screens(adm) if s["record_dir"] not in verdict_dirs]
-    return {"repair": repair, "earlier_verdicts": done, "unfinished_screens": unfinished}
+    unfinished = [s["record_dir"] for s in screens(adm)
+                  if s.get("event", "started") == "started" and s["record_dir"] not in verdict_dirs]
+    retry_of = []
+    for attempt in attempts(adm):
+        if attempt["record_dir"] in verdict_dirs:
+            retry_of = []  # a verdict settles the attempts before it
+        elif attempt["final"] and attempt["status"] in NO_VERDICT:
+            retry_of.append(attempt)
+    return {"repair": repair, "earlier_verdicts": done, "unfinished_screens": unfinished, "retry_of": retry_of}
 
 
 @contextlib.contextmanager
@@ -428,7 +529,13 @@ def exclusive(adm: Admission):
 
 
 def record_screen(adm: Admission, entry: dict) -> None:
-    append_jsonl(adm.dir / SCREENS, entry)
+    """A screen started (written before it measures anything)."""
+    append_jsonl(adm.dir / SCREENS, {"event": "started", **entry})
+
+
+def record_finish(adm: Admission, entry: dict) -> None:
+    """A screen ended: entry["outcome"] is its verdict, `exploratory`, or how it failed."""
+    append_jsonl(adm.dir / SCREENS, {"event": "finished", **entry})
 
 
 def record_verdict(adm: Admission, entry: dict) -> None:

@@ -12,7 +12,9 @@ Four outcomes (design brief section 5), decided in this order, the first that ap
 Capacity comes first because it is certain as soon as it is seen (a peak only grows), while a screen stopped by
 its cap has not measured everything. The peak gate applies to the synthetic arm (the candidate); the native
 peak is reported beside it. On the CPU no device memory is measured: the peak gate is `n/a` and does not take
-part in the verdict, so capacity can then be missed only through an out-of-memory error.
+part in the verdict, so capacity can then be missed only through an out-of-memory error. A screen on the CPU
+is exploratory in any case (screen.py): what these gates say is reported as measured, never recorded as a
+verdict.
 """
 
 from __future__ import annotations

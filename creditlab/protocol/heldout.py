@@ -1,9 +1,9 @@
 """FINAL_HELDOUT: the loss of a finished run (or of every model of a comparison) on the held-out split, read
 once per admission.
 
-The admission must exist and every file it froze must still match (the code, config and data it names are the
-ones the read is made with), and the run must have been trained on the admitted data (the same manifest). The
-read goes through the access ledger, which refuses a second FINAL_HELDOUT read under the same admission and
+The admission must exist (checked before the run or the data are read) and every file it froze must still match
+(the code, config and data it names are the ones the read is made with), and the run must have been trained on
+the admitted data (the same manifest). The read goes through the access ledger, which refuses a second FINAL_HELDOUT read under the same admission and
 names the first; a comparison's models are all evaluated in that one read. The result is written into the
 run's (or comparison's) folder as `heldout-<admission prefix>.json`.
 """
@@ -35,6 +35,22 @@ def _models(path: Path) -> list[Path]:
     return runs
 
 
+def require_admission(admission_ref: str | None, out_dir: str | Path) -> adm_mod.Admission:
+    """The admission a FINAL_HELDOUT read is made under: it must exist (its record intact) and every file it froze
+    must still match. Checked before anything else is read, so a read without one never reaches the split."""
+    if admission_ref is None or not str(admission_ref).strip():
+        raise HeldoutRefused("FINAL_HELDOUT is read only under an existing admission (`creditlab admit`, then "
+                             "--admission ID)")
+    try:
+        adm = adm_mod.find(str(admission_ref).strip(), out_dir)
+    except adm_mod.AdmissionError as exc:
+        raise HeldoutRefused(f"FINAL_HELDOUT is read only under an existing admission: {exc}") from None
+    verification = adm_mod.verify(adm)
+    if not verification.ok:
+        raise HeldoutRefused(verification.summary())
+    return adm
+
+
 def heldout(path: str | Path, admission_ref: str, out_dir: str | Path, tokens: int | None = None) -> dict:
     """FINAL_HELDOUT loss of a finished run, or of every model of a comparison in one read."""
     import torch
@@ -47,12 +63,9 @@ def heldout(path: str | Path, admission_ref: str, out_dir: str | Path, tokens: i
     from creditlab.evaluate import Evaluator
     from creditlab.model import GPT
 
+    adm = require_admission(admission_ref, out_dir)
     path = Path(path)
     runs = _models(path)
-    adm = adm_mod.find(admission_ref, out_dir)
-    verification = adm_mod.verify(adm)
-    if not verification.ok:
-        raise HeldoutRefused(verification.summary())
     frozen = {f.role: f.sha256 for f in adm.files}.get("data_manifest")
     configs = [config_mod.Config.from_dict(json.loads((r / "config.json").read_text())) for r in runs]
     for run, cfg in zip(runs, configs):

@@ -7,16 +7,26 @@ Two arms of `screen.updates` updates each, seed `screen.seed`, in one process on
   operation executing, no fitting). The candidate is `credit.source` of the config, or `learned` when the
   config says `exact` (the presets do); another source (`zero`, `dfa`, ...) makes a stand-in screen, marked so.
 
+The arms run interleaved, through the arms runner benchmarks/arms.py uses too (creditlab/arms_runner.py): both
+are built first, then each round runs one update of each, the order rotated each round, so a host or GPU whose
+speed drifts during the screen slows both arms alike instead of whichever ran second.
+
 Both arms start from the same state-dict bytes (the SHA256 of each arm's initial state dict is recorded and must
 be equal), read the same TRAIN micro-batches (a SHA256 of every micro-batch's tokens is recorded per arm and the
 sequences must be equal; checked as they are read) and use the same optimizers. Per update: synchronized wall
-time, loss, peak allocated and reserved memory. The screen also records the device's free memory before it
-starts and the occupied device-seconds, and stops once `screen.cap_gpu_s` is exceeded. `screen.memory_cap_mib`
-caps this process's GPU memory to emulate a smaller card.
+time, loss, peak allocated memory (the arm's own: the other arm's resident bytes are taken off) and the round
+and position it ran in. The screen also records the device's free memory before it starts and the occupied
+device-seconds, and stops once `screen.cap_gpu_s` is exceeded. `screen.memory_cap_mib` caps this process's
+GPU memory to emulate a smaller card.
 
-An out-of-memory error in either arm is a recorded capacity miss: message, allocator figures, a memory snapshot
-(memory history is recorded during the synthetic arm on CUDA) and the exact traceback. Rows are appended as
-they are measured, so nothing measured before a failure is lost. The verdict comes from gates.py.
+An out-of-memory error in either arm is a recorded capacity miss and stops the screen: message, allocator
+figures, a memory snapshot (memory history is recorded for the whole screen on CUDA) and the exact traceback.
+Rows are appended as they are measured, so nothing measured before a failure is lost. The gates are gates.py's.
+
+Only a screen under an admission, on a device that can decide (`cannot_decide`: not the CPU), records a
+verdict. Any other is exploratory: it reports what the gates say about what it measured (`measured`) and
+records no verdict. Under an admission, a screen is known to it from its start (screens.jsonl); one that
+never finished, or failed, makes the next screen a retry that names it.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ from typing import Any, Callable, TextIO
 import torch
 
 from creditlab import config as config_mod
+from creditlab.arms_runner import OwnMemory, Step, cuda_allocated, keep_compiled_side_by_side, run_rounds
 from creditlab.config import Config
 from creditlab.protocol import admission as adm_mod
 from creditlab.protocol.gates import EXIT_ERROR, EXIT_INVALID, ArmSummary, Gates, decide
@@ -107,14 +118,14 @@ def compare_sequences(reference: list[str], other: list[str], complete: bool = T
 
 
 class InputRecorder:
-    """A TRAIN loader that hashes every micro-batch it hands out, and checks it against a reference sequence
-    (the native arm's) as it goes."""
+    """A TRAIN loader that hashes every micro-batch it hands out, and checks it against what the other arms (its
+    peers) read at the same position, as it goes. Arms run interleaved, so either may be the first to read a
+    micro-batch: whichever reads it second checks it."""
 
-    def __init__(self, arm: str, loader, grad_accum: int, reference: list[str] | None = None,
-                 hook: Callable[[str, int, int], None] | None = None):
-        self.arm, self.loader, self.grad_accum = arm, loader, grad_accum
-        self.reference, self.hook = reference, hook
+    def __init__(self, arm: str, loader, grad_accum: int, hook: Callable[[str, int, int], None] | None = None):
+        self.arm, self.loader, self.grad_accum, self.hook = arm, loader, grad_accum, hook
         self.hashes: list[str] = []
+        self.peers: list["InputRecorder"] = []
 
     @property
     def position(self) -> tuple[int, int]:
@@ -127,11 +138,11 @@ class InputRecorder:
         digest = tokens_sha256(batch)
         i = len(self.hashes)
         self.hashes.append(digest)
-        if self.reference is not None and (i >= len(self.reference) or self.reference[i] != digest):
-            expected = self.reference[i][:16] if i < len(self.reference) else "nothing (native read fewer)"
-            raise IntegrityError(f"identical inputs violated: {self.arm} micro-batch {i} (update "
-                                 f"{i // self.grad_accum + 1}, micro {i % self.grad_accum}) hashes to "
-                                 f"{digest[:16]}, native read {expected}")
+        for peer in self.peers:
+            if i < len(peer.hashes) and peer.hashes[i] != digest:
+                raise IntegrityError(f"identical inputs violated: {self.arm} micro-batch {i} (update "
+                                     f"{i // self.grad_accum + 1}, micro {i % self.grad_accum}) hashes to "
+                                     f"{digest[:16]}, {peer.arm} read {peer.hashes[i][:16]}")
         return batch
 
 
@@ -259,10 +270,19 @@ class ScreenOutcome:
 
     @property
     def verdict(self) -> str | None:
+        """The final verdict; None for an exploratory screen (see `measured`) or one that failed."""
         return self.result.get("verdict")
+
+    @property
+    def measured(self) -> str | None:
+        """What the gates say about what was measured, final or not."""
+        return self.result.get("measured")
 
 
 class _Screen:
+    """Both arms built first from one initial state, then run interleaved through the arms runner: one update
+    of each per round, the order rotated each round, so a busy host or a drifting GPU slows both alike."""
+
     def __init__(self, cfg: Config, record: Path, runtime, synthetic_source: str, hooks: Hooks, log: TextIO,
                  clock_start: float, history_entries: int):
         self.cfg, self.record, self.runtime = cfg, record, runtime
@@ -271,11 +291,20 @@ class _Screen:
         self.gates = Gates.from_config(cfg.screen)
         self.cap_hit = False
         self.arms: dict[str, ArmRecord] = {}
+        self.trainers: dict[str, Any] = {}
+        self.recorders: dict[str, InputRecorder] = {}
+        self.source_before: dict[str, str | None] = {}
         self.init_sha256: str | None = None
         self.init_state: dict | None = None
+        self.memory = OwnMemory((lambda: cuda_allocated(runtime.device)) if runtime.is_cuda else None)
+        self.memory_history = runtime.is_cuda and history_entries > 0
 
     def occupied(self) -> float:
         return (self.hooks.clock or time.perf_counter)() - self.clock_start
+
+    @property
+    def out_of_memory(self) -> bool:
+        return any(r.oom for r in self.arms.values())
 
     def shared_initialization(self) -> None:
         from creditlab.train import build_model
@@ -286,22 +315,48 @@ class _Screen:
         self.init_sha256 = state_sha256(self.init_state)
         del model
 
-    def run_arm(self, arm: str) -> ArmRecord:
-        from creditlab import data
-        from creditlab.train import Trainer, build_model, row_dict
-
-        cfg = arm_config(self.cfg, arm, self.synthetic_source)
-        runtime, planned = self.runtime, self.cfg.screen.updates
-        rec = ArmRecord(arm, cfg.credit.source, planned, free_before=free_memory_mib(runtime))
-        self.arms[arm] = rec
-        rec.memory_history = runtime.is_cuda and arm == "synthetic" and self.history_entries > 0
-        model = trainer = recorder = None
-        if rec.memory_history:
-            # Stack traces of allocations only: recording them for frees too (context="all") made eager
-            # backward passes fail inside the autograd engine (SystemError, torch 2.11 on an H200).
+    def run(self) -> None:
+        """Build both arms, then the rounds; stops at the first out-of-memory error or once over the cap."""
+        if self.memory_history:
+            # For the whole screen, so that both arms pay its cost alike and an out-of-memory error in either
+            # leaves a snapshot. Stack traces of allocations only: recording them for frees too (context="all")
+            # made eager backward passes fail inside the autograd engine (SystemError, torch 2.11 on an H200).
             torch.cuda.memory._record_memory_history("all", context="alloc", stacks="all",
                                                      max_entries=self.history_entries)
         try:
+            if self.runtime.compile:
+                keep_compiled_side_by_side()
+            for arm in ARMS:
+                if not self.build_arm(arm):
+                    return
+            run_rounds(ARMS, self.cfg.screen.updates, self.step, stop=self.should_stop)
+            for arm in ARMS:
+                self._check_source_unchanged(arm)
+        finally:
+            if self.memory_history:
+                torch.cuda.memory._record_memory_history(enabled=None)
+            self.trainers.clear()
+            gc.collect()
+            if self.runtime.is_cuda:
+                torch.cuda.empty_cache()
+
+    def should_stop(self) -> bool:
+        if not self.cap_hit and self.occupied() > self.gates.cap_s:
+            self.cap_hit = True
+        return self.cap_hit or self.out_of_memory
+
+    def build_arm(self, arm: str) -> bool:
+        """The arm's model from the shared initial state, its loader and trainer; False if it ran out of memory."""
+        from creditlab import data
+        from creditlab.train import Trainer, build_model
+
+        cfg = arm_config(self.cfg, arm, self.synthetic_source)
+        runtime = self.runtime
+        rec = ArmRecord(arm, cfg.credit.source, self.cfg.screen.updates, free_before=free_memory_mib(runtime),
+                        memory_history=self.memory_history)
+        self.arms[arm] = rec
+
+        def make():
             torch.manual_seed(self.cfg.screen.seed)
             model = build_model(cfg, runtime, seed=self.cfg.screen.seed)
             model.load_state_dict(self.init_state)
@@ -314,55 +369,69 @@ class _Screen:
             loader = data.make_loader(cfg, "train")
             if self.hooks.loader is not None:
                 loader = self.hooks.loader(arm, loader)
-            native = self.arms.get("native")
-            recorder = InputRecorder(arm, loader, cfg.train.grad_accum,
-                                     reference=native.inputs if arm != "native" and native else None,
-                                     hook=self.hooks.micro_batch)
+            recorder = InputRecorder(arm, loader, cfg.train.grad_accum, hook=self.hooks.micro_batch)
+            for other in self.recorders.values():  # each arm checks its inputs against the other's
+                recorder.peers.append(other)
+                other.peers.append(recorder)
+            self.recorders[arm] = recorder
             rec.inputs = recorder.hashes
-            trainer = Trainer(cfg, runtime, model=model, loader=recorder)
-            source_before = self._source_checks(arm, trainer, rec)
-            for _ in range(planned):
-                row = trainer.train_update()
-                expected = "native" if arm == "native" else "synthetic"
-                if row.kind != expected:
-                    raise IntegrityError(f"the {arm} arm ran a {row.kind} update (update {row.update + 1}); "
-                                         f"every update of this arm must be {expected}")
-                first = row.update * cfg.train.grad_accum
-                out = {"arm": arm, **row_dict(row), "occupied_s": self.occupied(),
-                       "inputs_sha256": recorder.hashes[first:first + cfg.train.grad_accum],
-                       "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-                append_jsonl(self.record / "rows.jsonl", out)
-                rec.rows.append(out)
-                print(f"{arm:>9} | {row.line(planned)} | occupied {out['occupied_s']:,.1f} s", file=self.log,
-                      flush=True)
-                if out["occupied_s"] > self.gates.cap_s:
-                    self.cap_hit = True
-                    print(f"{arm:>9} | cap of {self.gates.cap_s:,.0f} occupied device-seconds exceeded: stopping",
-                          file=self.log, flush=True)
-                    break
-            if source_before is not None:
-                after = state_sha256(dict(trainer.source.named_parameters()))
-                rec.checks["predictor_unchanged"] = after == source_before
-                if after != source_before:
-                    raise IntegrityError("the synthetic arm changed the credit source's parameters: it must not "
-                                         "fit (credit.teacher_every=0)")
+            return Trainer(cfg, runtime, model=model, loader=recorder)
+
+        try:
+            trainer = self.memory.build(arm, make)
+            self.source_before[arm] = self._source_checks(arm, trainer, rec)
+            self.trainers[arm] = trainer
+            return True
         except Exception as exc:  # noqa: BLE001 - only an out-of-memory error is caught here
             if not is_out_of_memory(exc):
                 raise
-            update, micro = recorder.position if recorder is not None else (-1, None)
-            if trainer is not None:
-                update = trainer.update_index
-            rec.oom = self._capture_oom(arm, exc, update, micro, traceback.format_exc())
-            print(f"{arm:>9} | out of memory at update {update + 1}: {str(exc).splitlines()[0][:200]}",
+            self._out_of_memory(arm, exc, -1, None)
+            return False
+
+    def step(self, at: Step) -> bool:
+        """One update of one arm, its row appended to the record as soon as it is measured."""
+        from creditlab.train import row_dict
+
+        arm, trainer, recorder = at.arm, self.trainers[at.arm], self.recorders[at.arm]
+        rec, planned, grad_accum = self.arms[arm], self.cfg.screen.updates, self.cfg.train.grad_accum
+        try:
+            row = self.memory.update(arm, trainer.train_update)
+        except Exception as exc:  # noqa: BLE001 - only an out-of-memory error is caught here
+            if not is_out_of_memory(exc):
+                raise
+            self._out_of_memory(arm, exc, trainer.update_index, recorder.position[1])
+            return False
+        expected = "native" if arm == "native" else "synthetic"
+        if row.kind != expected:
+            raise IntegrityError(f"the {arm} arm ran a {row.kind} update (update {row.update + 1}); every update "
+                                 f"of this arm must be {expected}")
+        first = row.update * grad_accum
+        out = {"arm": arm, **row_dict(row), "round": at.round, "position": at.position,
+               "occupied_s": self.occupied(), "inputs_sha256": recorder.hashes[first:first + grad_accum],
+               "time": _now()}
+        append_jsonl(self.record / "rows.jsonl", out)
+        rec.rows.append(out)
+        print(f"{arm:>9} | {row.line(planned)} | occupied {out['occupied_s']:,.1f} s", file=self.log, flush=True)
+        if out["occupied_s"] > self.gates.cap_s:
+            self.cap_hit = True
+            print(f"{arm:>9} | cap of {self.gates.cap_s:,.0f} occupied device-seconds exceeded: stopping",
                   file=self.log, flush=True)
-        finally:
-            if rec.memory_history:
-                torch.cuda.memory._record_memory_history(enabled=None)
-            del model, trainer
-            gc.collect()
-            if runtime.is_cuda:
-                torch.cuda.empty_cache()
-        return rec
+        return True
+
+    def _out_of_memory(self, arm: str, exc: BaseException, update: int, micro: int | None) -> None:
+        self.arms[arm].oom = self._capture_oom(arm, exc, update, micro, traceback.format_exc())
+        print(f"{arm:>9} | out of memory at update {update + 1}: {str(exc).splitlines()[0][:200]}",
+              file=self.log, flush=True)
+
+    def _check_source_unchanged(self, arm: str) -> None:
+        before, trainer = self.source_before.get(arm), self.trainers.get(arm)
+        if before is None or trainer is None:
+            return
+        after = state_sha256(dict(trainer.source.named_parameters()))
+        self.arms[arm].checks["predictor_unchanged"] = after == before
+        if after != before:
+            raise IntegrityError("the synthetic arm changed the credit source's parameters: it must not fit "
+                                 "(credit.teacher_every=0)")
 
     def _source_checks(self, arm: str, trainer, rec: ArmRecord) -> str | None:
         """For the synthetic arm: its decoders start at zero, and a hash of the source's parameters (to show
@@ -430,6 +499,18 @@ def _arm_result(rec: ArmRecord, window: int) -> dict:
             "checks": rec.checks, "oom": rec.oom}
 
 
+def cannot_decide(runtime) -> str | None:
+    """Why a screen on this device cannot reach a final verdict, or None when it can.
+
+    On the CPU no device memory is measured (the peak gate is n/a) and the seconds are a shared host's, not
+    the accelerator's the verdict is about: one config measured there read `pass` once and `timing_miss` seven
+    times. Such a screen is exploratory: it reports what it measured and records no verdict."""
+    if not runtime.is_cuda:
+        return ("on the CPU: no device memory is measured and the timings are a host's, so the screen is "
+                "exploratory and records no verdict")
+    return None
+
+
 def run_screen(cfg: Config, *, admission: adm_mod.Admission | None = None,
                verification: adm_mod.Verification | None = None, repair: str | None = None,
                synthetic_source: str | None = None, hooks: Hooks | None = None,
@@ -438,7 +519,9 @@ def run_screen(cfg: Config, *, admission: adm_mod.Admission | None = None,
     """Run the screen of `cfg` and write its record; returns the exit code, record folder and result.
 
     Under an admission, `cfg` must be the admitted config and `verification` its passing verification (see
-    `admitted_screen`, which does both). Raises ScreenRefused / AdmissionError when it does not start."""
+    `admitted_screen`, which does both). Only a screen under an admission on a device that can decide
+    (`cannot_decide`) records a verdict; any other is exploratory. Raises ScreenRefused / AdmissionError when
+    it does not start."""
     from creditlab import runtime as rt
 
     hooks = hooks or Hooks()
@@ -453,13 +536,23 @@ def run_screen(cfg: Config, *, admission: adm_mod.Admission | None = None,
 
     clock_start = (hooks.clock or time.perf_counter)()
     runtime = rt.resolve(cfg.train)
+    exploratory = "no admission: the screen decides nothing under the protocol" if admission is None \
+        else cannot_decide(runtime)
+    final = exploratory is None
+    retry_of = permission["retry_of"] if permission and final else []
     memory_cap = apply_memory_cap(cfg.screen.memory_cap_mib, runtime)
     prelaunch = free_memory_mib(runtime)
     record = new_record_dir(cfg.train.out_dir, "screen")
-    mode = "admitted" if admission is not None else "exploratory"
+    if admission is not None:
+        # First, so that a screen killed at any later point is still known to the admission: started, and
+        # never finished; the next screen under it is then recorded as a retry of this one.
+        adm_mod.record_screen(admission, {"record_dir": str(record), "time": _now(), "repair": repair,
+                                          "final": final, "retry_of": [a["record_dir"] for a in retry_of]})
+    mode = "admitted" if final else "exploratory"
     stand_in = synthetic_source != CANDIDATE
-    meta = {"mode": mode, "admission": admission.id if admission else None,
-            "synthetic_source": synthetic_source, "stand_in": stand_in, "repair": repair}
+    meta = {"mode": mode, "admission": admission.id if admission else None, "final": final,
+            "exploratory": exploratory, "synthetic_source": synthetic_source, "stand_in": stand_in,
+            "repair": repair, "retry_of": retry_of}
     write_once(record / "rows.jsonl", "")  # appended per update as it is measured
     write_once(record / "config.json", cfg.to_dict())
     write_once(record / "arms.json", {arm: {"overrides": arm_overrides(arm, synthetic_source),
@@ -473,17 +566,17 @@ def run_screen(cfg: Config, *, admission: adm_mod.Admission | None = None,
                                            if permission else []})
     sources = _copy_sources(record, admission, root)
     write_once(record / "sources.json", sources)
-    if admission is not None:
-        adm_mod.record_screen(admission, {"record_dir": str(record), "time": _now(), "repair": repair})
 
     print(f"screen {record.name}: {mode}"
           + (f" under admission {admission.id[:16]} ({verification.summary()})" if admission else "")
+          + (f", retry of {', '.join(a['record_dir'] for a in retry_of)}" if retry_of else "")
           + f"; device {runtime.device}; arms native (exact) and synthetic ({synthetic_source}, teacher_every=0)"
-          + (" [stand-in source]" if stand_in else "") + f"; {cfg.screen.updates} updates each",
+          + (" [stand-in source]" if stand_in else "") + f", interleaved; {cfg.screen.updates} updates each"
+          + (f" ({exploratory})" if exploratory and admission is not None else ""),
           file=log, flush=True)
     screen = _Screen(cfg, record, runtime, synthetic_source, hooks, log, clock_start, history_entries)
-    base = {"record_dir": str(record), "run_id": record.name, **meta, "device": str(runtime.device),
-            "prelaunch": prelaunch, "memory_cap": memory_cap, "seed": cfg.screen.seed,
+    base = {"record_dir": str(record), "run_id": record.name, **meta, "schedule": "interleaved",
+            "device": str(runtime.device), "prelaunch": prelaunch, "memory_cap": memory_cap, "seed": cfg.screen.seed,
             "updates": cfg.screen.updates, "shape": {"micro_batch": cfg.train.micro_batch,
                                                      "seq_len": cfg.model.seq_len, "grad_accum": cfg.train.grad_accum},
             "sources": {"folder": sources["folder"], "files": len(sources["files"])},
@@ -492,13 +585,7 @@ def run_screen(cfg: Config, *, admission: adm_mod.Admission | None = None,
             "verification": verification.summary() if verification else None}
     try:
         screen.shared_initialization()
-        for arm in ARMS:
-            if screen.cap_hit or any(r.oom for r in screen.arms.values()):
-                break
-            if screen.occupied() > screen.gates.cap_s:
-                screen.cap_hit = True
-                break
-            screen.run_arm(arm)
+        screen.run()
         occupied = screen.occupied()
         inputs = _input_check(screen)
         if not inputs["match"]:
@@ -512,14 +599,17 @@ def run_screen(cfg: Config, *, admission: adm_mod.Admission | None = None,
     except BaseException as exc:  # noqa: BLE001 - recorded, then reported as an exit code (or re-raised)
         tb = traceback.format_exc()
         invalid = isinstance(exc, IntegrityError)
+        outcome = "invalid" if invalid else "error" if isinstance(exc, Exception) else "interrupted"
         write_once(record / "traceback.txt", tb)
-        result = {**base, "verdict": None, "exit_code": EXIT_INVALID if invalid else EXIT_ERROR,
+        result = {**base, "verdict": None, "measured": None, "exit_code": EXIT_INVALID if invalid else EXIT_ERROR,
                   "invalid" if invalid else "error": f"{type(exc).__name__}: {exc}",
                   "occupied_s": screen.occupied(), "init_sha256": screen.init_sha256,
                   "arms": {name: _arm_result(rec, screen.gates.window) for name, rec in screen.arms.items()}}
         write_once(record / "result.json", result)
         from creditlab.protocol.screen_report import report_markdown
         write_once(record / "report.md", report_markdown(result, None))
+        if admission is not None:
+            adm_mod.record_finish(admission, {"record_dir": str(record), "time": _now(), "outcome": outcome})
         if not isinstance(exc, Exception):
             raise
         print(f"screen {'invalid' if invalid else 'failed'}: {type(exc).__name__}: {exc} "
@@ -530,8 +620,11 @@ def run_screen(cfg: Config, *, admission: adm_mod.Admission | None = None,
             torch.cuda.set_per_process_memory_fraction(1.0, runtime.device)
 
     arms = {name: _arm_result(rec, screen.gates.window) for name, rec in screen.arms.items()}
-    result = {**base, **decision.to_json(), "exit_code": decision.exit_code, "occupied_s": occupied,
-              "cap_hit": screen.cap_hit,
+    decided = decision.to_json()
+    measured = decided.pop("verdict")
+    # The exit code says what was measured, for both kinds; only a final screen names it a verdict.
+    result = {**base, **decided, "measured": measured, "verdict": measured if final else None,
+              "exit_code": decision.exit_code, "occupied_s": occupied, "cap_hit": screen.cap_hit,
               "gate_config": {"ratio_gate": cfg.screen.ratio_gate, "peak_gate_mib": cfg.screen.peak_gate_mib,
                               "cap_gpu_s": cfg.screen.cap_gpu_s, "window": cfg.screen.window,
                               "cycle_gate": cfg.screen.cycle_gate},
@@ -542,10 +635,15 @@ def run_screen(cfg: Config, *, admission: adm_mod.Admission | None = None,
     from creditlab.protocol.screen_report import report_markdown
     write_once(record / "report.md", report_markdown(result, decision))
     if admission is not None:
-        adm_mod.record_verdict(admission, {"verdict": decision.verdict, "ratio": decision.ratio,
-                                           "record_dir": str(record), "time": _now(), "repair": repair,
-                                           "stand_in": stand_in, "synthetic_source": synthetic_source})
-    print(decision.sentence, file=log, flush=True)
+        if final:
+            adm_mod.record_verdict(admission, {"verdict": decision.verdict, "ratio": decision.ratio,
+                                               "record_dir": str(record), "time": _now(), "repair": repair,
+                                               "stand_in": stand_in, "synthetic_source": synthetic_source,
+                                               "retry_of": [a["record_dir"] for a in retry_of]})
+        adm_mod.record_finish(admission, {"record_dir": str(record), "time": _now(),
+                                          "outcome": measured if final else "exploratory", "measured": measured})
+    print(decision.sentence if final else f"Exploratory, no verdict ({exploratory}). Measured: {decision.sentence}",
+          file=log, flush=True)
     return ScreenOutcome(decision.exit_code, record, result)
 
 

@@ -46,17 +46,31 @@ def _allocator(fig: dict | None) -> str:
 
 def report_markdown(result: dict, decision: Decision | None) -> str:
     env = result.get("environment") or {}
-    title = WORDS.get(result.get("verdict"), "no verdict")
+    measured = result.get("measured")
+    final = result.get("verdict") is not None
+    if final:
+        title = WORDS[result["verdict"]]
+    elif measured is not None:  # exploratory: what was measured, never called a verdict
+        title = f"exploratory, {WORDS[measured]} measured, no verdict"
+    else:
+        title = "no verdict"
     lines = [f"# Resource screen {result['run_id']}: {title}", ""]
     if result["mode"] == "admitted":
         lines.append(f"Admitted screen, admission `{result['admission']}`: {result.get('verification')}. "
                      f"The frozen files are copied to `{result['sources']['folder']}/`.")
+    elif result.get("admission"):
+        lines.append(f"Exploratory screen under admission `{result['admission']}` "
+                     f"({result.get('verification')}): {result.get('exploratory')}. The frozen files are copied "
+                     f"to `{result['sources']['folder']}/`.")
     else:
         lines.append(f"Exploratory screen: no admission, so it decides nothing under the protocol. The "
                      f"package sources as they were ({result['sources']['files']} files) are copied to "
                      f"`{result['sources']['folder']}/`.")
     if result.get("repair"):
         lines.append(f"This is the admission's one repair screen; reason: {result['repair']!r}.")
+    for attempt in result.get("retry_of") or []:
+        lines.append(f"This screen is a retry of `{attempt['record_dir']}` (started {attempt.get('time')}, "
+                     f"{'started, not finished' if attempt['status'] == 'unfinished' else attempt['status']}).")
     if result.get("stand_in"):
         lines.append(f"Stand-in synthetic source `{result['synthetic_source']}`: this screen does not measure "
                      "the learned predictor.")
@@ -76,10 +90,12 @@ def report_markdown(result: dict, decision: Decision | None) -> str:
     init = result.get("identical_init") or {}
     inputs = result.get("identical_inputs") or {}
     lines.append(f"Arms: native (credit.source=exact) and synthetic (credit.source={result['synthetic_source']}, "
-                 f"teacher_every=0, no fitting); seed {result['seed']}; micro {shape['micro_batch']} x T "
+                 f"teacher_every=0, no fitting), interleaved: both resident, one update of each per round, "
+                 f"the order rotated each round; seed {result['seed']}; micro {shape['micro_batch']} x T "
                  f"{shape['seq_len']} x GA {shape['grad_accum']}; {result['updates']} updates each."
-                 + (" On CUDA the synthetic arm records allocator history (allocation stack traces) so that an "
-                    "out-of-memory error leaves a memory snapshot; the native arm does not."
+                 + (" On CUDA allocator history (allocation stack traces) is recorded for the whole screen, so "
+                    "that an out-of-memory error in either arm leaves a memory snapshot; each arm's peak counts "
+                    "its own bytes, reserved memory is one pool and not an arm's figure."
                     if any(a.get("memory_history") for a in arms.values()) else "")
                  + (f" Identical initialization: state-dict SHA256 `{str(init.get('sha256'))[:16]}` in every arm "
                     f"({'equal' if init.get('match') else 'NOT equal'})." if init else "")
@@ -107,7 +123,12 @@ def report_markdown(result: dict, decision: Decision | None) -> str:
     lines.append("")
     if decision is not None:
         detail = decision.sentence.split(": ", 1)[-1]
-        lines.append(f"**Verdict: {title}.** {detail[0].upper() + detail[1:]}")
+        detail = detail[0].upper() + detail[1:]
+        if final:
+            lines.append(f"**Verdict: {title}.** {detail}")
+        else:
+            lines.append(f"**Exploratory, no verdict.** Measured: {WORDS[measured]}. {detail} Nothing is recorded "
+                         f"as a verdict: {result.get('exploratory')}.")
     else:
         why = result.get("invalid") or result.get("error")
         kind = "invalid screen" if result.get("invalid") else "the screen failed"

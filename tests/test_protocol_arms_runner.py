@@ -1,0 +1,79 @@
+"""The arms runner shared by the resource screen and benchmarks/arms.py: rounds of one update per arm in
+rotated order, arms retired on their own, the whole run stopped, and each arm's memory peak its own."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from creditlab import arms_runner as runner
+
+
+def test_rotation_puts_every_arm_in_every_position_once_per_cycle():
+    names = ["native", "zero", "learned"]
+    rounds = [runner.rotation(names, r) for r in range(len(names))]
+    assert rounds == [["native", "zero", "learned"], ["zero", "learned", "native"], ["learned", "native", "zero"]]
+    for position in range(len(names)):
+        assert sorted(r[position] for r in rounds) == sorted(names)
+    assert runner.rotation([], 3) == []
+
+
+def test_rounds_interleave_one_update_of_each_arm():
+    seen = []
+    taken = runner.run_rounds(["native", "synthetic"], 3, lambda at: seen.append((at.round, at.position, at.arm)))
+    assert seen == [(0, 0, "native"), (0, 1, "synthetic"), (1, 0, "synthetic"), (1, 1, "native"),
+                    (2, 0, "native"), (2, 1, "synthetic")]
+    assert [(s.round, s.position, s.arm) for s in taken] == seen
+    # Never two updates of one arm in a row within a round, and every arm has all its updates.
+    for arm in ("native", "synthetic"):
+        assert sum(s.arm == arm for s in taken) == 3
+
+
+def test_a_retired_arm_drops_out_and_the_others_go_on():
+    def step(at):
+        return not (at.arm == "b" and at.round == 1)  # b fails in its second update
+
+    taken = runner.run_rounds(["a", "b", "c"], 4, step)
+    assert [s.arm for s in taken if s.arm == "b"] == ["b", "b"]
+    assert sum(s.arm == "a" for s in taken) == 4 and sum(s.arm == "c" for s in taken) == 4
+    # Positions count only the arms that ran in that round.
+    assert [(s.arm, s.position) for s in taken if s.round == 3] == [("a", 0), ("c", 1)]
+
+
+def test_stop_ends_the_whole_run_before_the_next_step():
+    ran = []
+    taken = runner.run_rounds(["a", "b"], 5, lambda at: ran.append(at.arm), stop=lambda: len(ran) >= 3)
+    assert ran == ["a", "b", "b"] and len(taken) == 3
+    rounds = []
+    runner.run_rounds(["a", "b"], 2, lambda at: None, after_round=rounds.append)
+    assert rounds == [0, 1]
+
+
+def test_own_memory_takes_the_other_arms_resident_bytes_off_a_peak():
+    mib = runner.MIB
+    allocated = {"now": 0}
+    own = runner.OwnMemory(lambda: allocated["now"], shared=True)
+
+    def build(size):
+        allocated["now"] += size * mib
+        return size
+
+    assert own.build("a", lambda: build(100)) == 100
+    own.build("b", lambda: build(40))
+    assert own.resident == {"a": 100 * mib, "b": 40 * mib}
+
+    def update(peak_total, left):  # the device's peak during the update, and what the update leaves alive
+        def run():
+            allocated["now"] += left * mib
+            return SimpleNamespace(peak_allocated_mib=float(peak_total), peak_reserved_mib=500.0)
+        return run
+
+    row = own.update("b", update(160, 2))
+    assert row.peak_allocated_mib == 60.0  # 160 less a's 100
+    assert row.peak_reserved_mib is None  # one pool for all arms: not b's own figure
+    assert own.resident["b"] == 42 * mib
+    row = own.update("a", update(150, 0))
+    assert row.peak_allocated_mib == 108.0  # 150 less b's 42
+    # Where the device reports no memory, rows pass through.
+    plain = runner.OwnMemory(None)
+    row = plain.update("a", lambda: SimpleNamespace(peak_allocated_mib=None, peak_reserved_mib=None))
+    assert row.peak_allocated_mib is None
