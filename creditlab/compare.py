@@ -29,6 +29,7 @@ import torch
 from creditlab import config as config_mod
 from creditlab import runtime as rt
 from creditlab.arms import ArmSpec, arm_config
+from creditlab.arms_runner import keep_compiled_side_by_side, run_rounds
 from creditlab.evaluate import Evaluator
 from creditlab.protocol.records import append_jsonl, read_jsonl, write_once
 from creditlab.train import Trainer, row_dict
@@ -150,27 +151,27 @@ class CompareRun:
         return result
 
     def run_interleaved(self, arms: list["ArmRun"], bar, say) -> None:
-        """All arms resident; each round runs one update of every unfinished arm, the order rotated each round,
-        so drift of the clock (a GPU under its power limit, a busy host) falls on every arm alike."""
+        """All arms resident; each round runs one update of every unfinished arm, the order rotated each round
+        (arms_runner.py, as the screen and the arms benchmark run theirs)."""
         if arms and arms[0].trainer.runtime.compile:
-            # Every arm's compiled graphs stay cached side by side: the compiler's per-function limit is raised,
-            # or later arms would silently run eagerly.
-            for limit in ("recompile_limit", "cache_size_limit"):
-                if hasattr(torch._dynamo.config, limit):
-                    setattr(torch._dynamo.config, limit, max(64, getattr(torch._dynamo.config, limit)))
+            keep_compiled_side_by_side()
         for arm in arms:
             arm.trainer.evaluate(arm.evaluator, arm.on_eval, say)
-        live = list(arms)
+        by_label = {arm.spec.label: arm for arm in arms}
         rounds = max(a.cfg.train.updates for a in arms)
         every = max(1, rounds // 20)
-        for r in range(rounds):
-            k = r % len(live) if live else 0
-            for arm in live[k:] + live[:k]:
-                arm.step(bar, say)
+
+        def step(at) -> bool:
+            arm = by_label[at.arm]
+            arm.step(bar, say)
+            return not arm.done  # a finished arm leaves the rounds
+
+        def after_round(r: int) -> None:
             if (r + 1) % every == 0 or r == rounds - 1:
                 say(f"round {r + 1}/{rounds}: " + ", ".join(
                     f"{a.spec.label} loss {a.rows[-1]['loss']:.3f} {a.rows[-1]['seconds']:.3f} s" for a in arms))
-            live = [a for a in live if not a.done]
+
+        run_rounds(list(by_label), rounds, step, after_round=after_round)
         for arm in arms:
             self.runs.setdefault(arm.spec.label, {})[arm.seed] = arm.finish()
 
