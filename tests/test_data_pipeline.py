@@ -178,11 +178,9 @@ def test_final_heldout_needs_the_flag_and_is_read_once_per_admission(prepared) -
     with pytest.raises(LedgerError, match=r"already read under admission 'adm1'.*once per admission"):
         read_split(prepared, "final_heldout", purpose="again", admission="adm1", allow_final_heldout=True)
     read_split(prepared, "final_heldout", purpose="final eval", admission="adm2", allow_final_heldout=True)
-    read_split(prepared, "final_heldout", purpose="no admission", allow_final_heldout=True)
-    with pytest.raises(LedgerError, match="'none'"):
-        read_split(prepared, "final_heldout", purpose="no admission again", allow_final_heldout=True)
-    assert [(e["admission"], e["purpose"]) for e in entries(prepared)] == [
-        ("adm1", "final eval"), ("adm2", "final eval"), (None, "no admission")]
+    with pytest.raises(LedgerError, match="only under an admission"):
+        read_split(prepared, "final_heldout", purpose="no admission", allow_final_heldout=True)
+    assert [(e["admission"], e["purpose"]) for e in entries(prepared)] == [("adm1", "final eval"), ("adm2", "final eval")]
 
 
 def test_final_heldout_ranks_of_one_evaluation_read_once_each(prepared) -> None:

@@ -2,7 +2,7 @@
 
 Every DEV or FINAL_HELDOUT read appends one JSON line to `<data_dir>/ledger.jsonl` (UTC time, split, purpose,
 tokens, admission id or null, rank/world size, manifest SHA256). FINAL_HELDOUT needs `allow_final_heldout=True`
-and is read at most once per admission (admission None counts as the key "none"). The ranks of one
+and an admission id, and is read at most once per admission. The ranks of one
 data-parallel evaluation are one read: each rank r of a world of size w may read once per admission, and a
 later read under the same admission with another world size is refused too.
 
@@ -73,6 +73,9 @@ def read_split(data_dir: str | Path, split: str, purpose: str | None, admission:
     if split == "final_heldout" and not allow_final_heldout:
         raise LedgerError("FINAL_HELDOUT is read only with an explicit allow_final_heldout=True "
                           "(at most once per admission)")
+    if split == "final_heldout" and admission is None:
+        raise LedgerError("FINAL_HELDOUT is read only under an admission: `creditlab admit`, then "
+                          "`creditlab heldout RUN --admission ID`")
     shards = split_tokens(data_dir, split)
     entry = {
         "utc": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
