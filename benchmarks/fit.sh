@@ -6,6 +6,7 @@
 #   benchmarks/fit.sh smoke OUT                 a few compiled tiny updates of every new source (catches a
 #                                               compiler failure before the long run)
 #   benchmarks/fit.sh run DATA OUT SEED         the comparison, one seed, checkpoints every UPDATES/3 updates
+#                                               (all kept: the ceilings read each)
 #   benchmarks/fit.sh ceilings OUT SEED         the fit ceiling at each checkpoint of the fitted arms
 #   benchmarks/fit.sh cost OUT                  teacher and synthetic updates per family, arms interleaved
 #
@@ -26,6 +27,7 @@ case "$1" in
     python3 -m creditlab.cli compare --preset seed --set data.source=shards --set "data.dir=$2" \
       --set train.micro_batch=16 --set train.grad_accum=1 --set train.eval_every=100 \
       --set train.eval_tokens=262144 --set compare.align_every=50 --set "train.updates=$UPDATES" \
+      --set train.keep_checkpoints=0 \
       --arms "$ARMS" --seeds "$4" --no-progress --out "$3/seed$4" ;;
   ceilings)
     for arm in "$2/seed$3"/*-seed"$3"; do

@@ -361,9 +361,14 @@ def merge(folders: list[Path], out: Path) -> dict:
     arm with one seed has no spread. The records stay where they are; the merged compare.json names them."""
     results = [json.loads((Path(f) / "compare.json").read_text()) for f in folders]
     first = results[0]
+    def experiment(r: dict) -> dict:  # what must agree: the settings less the cosmetic overrides
+        overrides = [o for o in r["overrides"] if o.partition("=")[0].strip() not in config_mod.COSMETIC_KEYS]
+        return {"preset": r["preset"], "overrides": overrides, "tokens_per_update": r["tokens_per_update"],
+                "eval": r["eval"]}
+
     for f, r in zip(folders, results):
-        for key in ("preset", "overrides", "tokens_per_update", "eval"):
-            if r[key] != first[key]:
+        for key, value in experiment(r).items():
+            if value != experiment(first)[key]:
                 raise config_mod.ConfigError(f"{f}: its {key} differs from {folders[0]}'s; only runs of one "
                                              "comparison at other seeds can be merged")
     runs: dict = {}

@@ -218,6 +218,13 @@ def _tiny() -> Config:
     return cfg
 
 
+# Config keys that change nothing an arm computes or measures: where records are written, how often a line is
+# printed, how many checkpoints are kept, when a stalled loss is warned of. Two admissions that differ only in
+# these are one experiment (admitting the second names the first and its verdict), and compare folders that
+# differ only in these merge. Every other key counts, including any key added later, until it is listed here.
+COSMETIC_KEYS = ("train.log_every", "train.out_dir", "train.keep_checkpoints", "train.stall_updates")
+
+
 PRESETS: dict[str, typing.Callable[[], Config]] = {"seed": _seed, "tiny": _tiny}
 
 

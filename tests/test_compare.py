@@ -262,3 +262,26 @@ def test_a_gap_is_judged_against_the_spread_only_with_two_seeds_of_both_arms():
     assert said["learned", "native"].endswith("-0.0100 / +0.0400 (mean +0.0150), learned the sign differs between seeds")
     assert said["zero", "native"].endswith("zero worse in every seed")
     assert "paired" not in said["dfa", "zero"]
+
+
+def _fake_compare(folder, seed: int, overrides: list[str]):
+    """A compare folder's compare.json with one arm at one seed: what merge reads."""
+    numbers = {k: 1.0 for k in ("dev_loss", "dev_bits_per_byte", "train_loss_last10pct", "seconds_per_update",
+                                "gpu_seconds", "peak_allocated_mib", "updates")}
+    folder.mkdir()
+    (folder / "compare.json").write_text(json.dumps({
+        "preset": "tiny", "overrides": overrides, "tokens_per_update": 8, "eval": {"tokens": 8, "every": 0},
+        "seeds": [seed], "arms": [{"label": "zero"}], "intermittent": {}, "wall_seconds": 1.0,
+        "runs": {"zero": {str(seed): numbers | {"record": f"zero-seed{seed}"}}}}))
+    return folder
+
+
+def test_merge_ignores_cosmetic_overrides_and_refuses_the_rest(tmp_path):
+    from creditlab.compare import merge
+
+    a = _fake_compare(tmp_path / "a", 1, ["train.updates=3"])
+    b = _fake_compare(tmp_path / "b", 2, ["train.updates=3", "train.keep_checkpoints=0", "train.log_every=5"])
+    assert merge([a, b], tmp_path / "ab")["seeds"] == [1, 2]
+    c = _fake_compare(tmp_path / "c", 3, ["train.updates=4"])
+    with pytest.raises(config.ConfigError, match="its overrides differ"):
+        merge([a, c], tmp_path / "ac")

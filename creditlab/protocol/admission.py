@@ -44,7 +44,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from creditlab.config import Config
+from creditlab.config import COSMETIC_KEYS, Config
 from creditlab.data.integrity import DigestCache, shard_problems
 from creditlab.protocol.records import append_jsonl, canonical_json, read_jsonl, sha256_file, write_bytes_once, \
     write_once
@@ -62,11 +62,6 @@ UNCOPIED = ("data_shard",)  # roles frozen by hash only
 ROLES = ("source", "config", "data_manifest", "data_shard")
 PACKAGE = "creditlab"
 
-# Config keys that change nothing an arm computes or measures: where records are written and how often a line
-# is printed. Two admissions that differ only in these are one experiment: admitting the second names the
-# first (and its verdict) instead of opening a second, independent verdict. Every other key counts, including
-# any key added later, until it is listed here.
-COSMETIC_KEYS = ("train.log_every", "train.out_dir", "train.keep_checkpoints", "train.stall_updates")
 
 
 class AdmissionError(RuntimeError):
