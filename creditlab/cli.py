@@ -308,9 +308,9 @@ def _data_dir(record, cfg) -> str:
     origins = []
     if not out_dir.is_absolute() and ".." not in out_dir.parts:
         origins.append(record.resolve().parents[len(out_dir.parts)])
-    env = record / "env.json"
-    if env.exists() and json.loads(env.read_text()).get("cwd"):
-        origins.append(Path(json.loads(env.read_text())["cwd"]))
+    env = json.loads((record / "env.json").read_text()) if (record / "env.json").exists() else {}
+    if env.get("cwd"):
+        origins.append(Path(env["cwd"]))
     for origin in origins:
         if (origin / data_dir).is_dir():
             return str(origin / data_dir)

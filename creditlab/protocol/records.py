@@ -125,6 +125,8 @@ def atomic_save(path: str | os.PathLike, write) -> Path:
     tmp = path.with_name(f"{path.name}.tmp")
     try:
         write(tmp)
+        with open(tmp, "rb+") as f:  # on disk before the rename, so a crash leaves the old file or the new one
+            os.fsync(f.fileno())
         os.chmod(tmp, RECORD_MODE)
         os.replace(tmp, path)
     except BaseException:
