@@ -21,7 +21,8 @@ import torch.nn as nn
 
 from creditlab.config import Config, CreditConfig
 from creditlab.credit.sources import FittedSource, OmitCredit
-from creditlab.credit.teacher import STATS, Teacher, Teaching, _fit_dtypes, summarize_stats, wide_product
+from creditlab.credit.teacher import (STATS, Teacher, Teaching, _fit_dtypes, fit_stats, inverse_signal,
+                                      summarize_stats, wide_product)
 from creditlab.model import ExactCredit
 
 
@@ -134,9 +135,7 @@ def feedback_stats(D: torch.Tensor, gram: torch.Tensor, cross: torch.Tensor, tru
     |pred|^2 = tr(D G D^T) and <pred, c> = <D, X>."""
     D = D.to(gram.dtype)
     pred_sq = torch.einsum("bdk,kl,bdl->b", D, gram, D)
-    dot = (D * cross).sum((1, 2))
-    weight = torch.where(true_sq > 0, 1.0 / true_sq.clamp_min(1e-300), torch.zeros_like(true_sq))
-    return torch.stack([(pred_sq - 2 * dot + true_sq) * weight, dot, pred_sq, true_sq], dim=1)
+    return fit_stats(pred_sq, (D * cross).sum((1, 2)), true_sq)
 
 
 class FittedFeedbackSource(FittedSource):
@@ -183,8 +182,7 @@ class FeedbackTeacher(Teacher):
 
     def _accumulate_gradient(self, gram, cross, true_sq, scale: float) -> None:
         D = self.decoders.detach().to(gram.dtype)
-        weight = torch.where(true_sq > 0, 1.0 / true_sq.clamp_min(1e-300), torch.zeros_like(true_sq))
-        grad = ((2.0 * scale) * weight[:, None, None] * (D @ gram - cross)).to(self.decoders.dtype)
+        grad = ((2.0 * scale) * inverse_signal(true_sq)[:, None, None] * (D @ gram - cross)).to(self.decoders.dtype)
         self.decoders.grad = grad if self.decoders.grad is None else self.decoders.grad + grad
 
 
@@ -256,13 +254,8 @@ class DFACalibration(Teaching):
             true_sq, pred_sq = both
         s = self.source.scales.double()
         # the report: the corrections injected until now, s_b e B_b, against the true ones
-        at_scale = unit.clone()
-        dot, pred = STATS.index("pred_dot_true"), STATS.index("pred_sq")
-        at_scale[..., dot] *= s
-        at_scale[..., pred] *= s * s
-        weight = torch.where(unit[..., 3] > 0, 1.0 / unit[..., 3].clamp_min(1e-300), torch.zeros_like(unit[..., 3]))
-        at_scale[..., 0] = (at_scale[..., pred] - 2 * at_scale[..., dot] + unit[..., 3]) * weight
-        summary = summarize_stats(list(at_scale))
+        dot, pred, true = (unit[..., STATS.index(k)] for k in ("pred_dot_true", "pred_sq", "true_sq"))
+        summary = summarize_stats(list(fit_stats(pred * s * s, dot * s, true)))
         measured = torch.where(pred_sq > 0, (true_sq / pred_sq.clamp_min(1e-300)).sqrt(), s)
         blended = measured if not self.calibrated else self.MOMENTUM * s + (1 - self.MOMENTUM) * measured
         self.source.scales.copy_(blended.to(self.source.scales.dtype))

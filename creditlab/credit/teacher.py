@@ -31,6 +31,19 @@ from creditlab.model import ExactCredit
 STATS = ("weighted_sq_error", "pred_dot_true", "pred_sq", "true_sq")
 
 
+def inverse_signal(true_sq: torch.Tensor) -> torch.Tensor:
+    """1 / |c|^2, and 0 where the true correction is exactly zero (zero-initialized projections): such a branch
+    teaches nothing and scores nothing."""
+    return torch.where(true_sq > 0, 1.0 / true_sq.clamp_min(1e-300), torch.zeros_like(true_sq))
+
+
+def fit_stats(pred_sq: torch.Tensor, pred_dot_true: torch.Tensor, true_sq: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """The columns of STATS, stacked along `dim`: the normalized squared error |pred - c|^2 / |c|^2 from the
+    three inner products, and the products themselves."""
+    error = (pred_sq - 2.0 * pred_dot_true + true_sq) * inverse_signal(true_sq)
+    return torch.stack([error, pred_dot_true, pred_sq, true_sq], dim=dim)
+
+
 def _fit_dtypes(true: torch.Tensor, low_precision: bool) -> tuple[torch.dtype, torch.dtype]:
     """(accumulation dtype, dtype of the products over (B, T, d)). The products run in the gradient's own dtype
     when asked (bf16 under autocast: half the bytes of float32 and tensor-core rate); sums and everything of
@@ -66,16 +79,12 @@ def _rank_space_fit(true: torch.Tensor, gated: torch.Tensor, decoder: torch.Tens
     true_sq = true.to(acc).square().sum()
     gated_m = gated @ (D.t() @ D)  # gated M (B, T, 2r)
     pred_sq, pred_dot_true = (gated_m * gated).sum(), (c_decoded * gated).sum()
-    # A branch whose true correction is exactly zero (zero-initialized projections) teaches nothing.
-    weight = torch.where(true_sq > 0, 1.0 / true_sq.clamp_min(1e-300), torch.zeros_like(true_sq))
-    # d(scale * weight * |pred - c|^2)/d(pred) = 2 scale weight (pred - c), pulled back to D and to gated:
-    factor = (2.0 * scale) * weight
+    # d(scale * |pred - c|^2 / |c|^2)/d(pred) = 2 scale (pred - c) / |c|^2, pulled back to D and to gated:
+    factor = (2.0 * scale) * inverse_signal(true_sq)
     gram = gated.flatten(0, 1).t() @ gated.flatten(0, 1)  # gated^T gated (2r, 2r)
     d_decoder = factor * (D @ gram - c_gated)  # (pred - c)^T gated
     d_gated = factor * (gated_m - c_decoded)  # (pred - c) D
-    sq_error = pred_sq - 2.0 * pred_dot_true + true_sq
-    stats = torch.stack([sq_error * weight, pred_dot_true, pred_sq, true_sq])
-    return d_decoder, d_gated, stats, gram, c_gated
+    return d_decoder, d_gated, fit_stats(pred_sq, pred_dot_true, true_sq), gram, c_gated
 
 
 class _FitBranch(torch.autograd.Function):
@@ -266,8 +275,8 @@ class Teacher(Teaching):
         """Fold this update's moments into the running average and solve the ridge system of every branch:
         D_b = X_b (G_b + ridge * mean(diag G_b) I)^-1 (d, 2r). A branch never seen with a signal keeps its decoder."""
         gram, cross = (m.double() for m in self.moment_sums)
-        seen = (true_sq > 0).to(gram.device)
-        weight = torch.where(seen, 1.0 / true_sq.double().clamp_min(1e-300), torch.zeros_like(true_sq, dtype=gram.dtype))
+        true_sq = true_sq.to(gram)
+        seen, weight = true_sq > 0, inverse_signal(true_sq)
         gram, cross = gram * weight[:, None, None], cross * weight[:, None, None]
         if self.moments is None:
             self.moments = [gram, cross]
