@@ -52,7 +52,7 @@ import torch.distributed as dist
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from creditlab.config import Config, CreditConfig
-from creditlab.credit.feedback import FeedbackCredit, FeedbackTeacher
+from creditlab.credit.feedback import FeedbackCredit, MeasuredFeedback
 from creditlab.credit.sources import FittedSource
 from creditlab.credit.teacher import _fit_dtypes, wide_product
 from creditlab.model import GPT, ExactCredit
@@ -158,31 +158,19 @@ class FDFASource(FittedSource):
         self.estimates += seen.to(self.estimates.device)
 
 
-class FDFATeacher(FeedbackTeacher):
-    """The FDFA estimate on teacher updates, and the fit report of `fitted_feedback` as a diagnostic.
-
-    FeedbackTeacher's context, collection and statistics are reused as they are, with its decoders D_b (its
-    prediction is e D_b^T) read as M_b^T. Nothing here is a parameter, so there is no optimizer: Teacher.__init__,
-    which makes one, is not called."""
+class FDFATeacher(MeasuredFeedback):
+    """The FDFA estimate on teacher updates, and as a diagnostic the fit report of the operators as they stood
+    (MeasuredFeedback: the true corrections' moments, never used to move them). Nothing here is a parameter, so
+    there is no optimizer."""
 
     def __init__(self, source: FDFASource, cfg: CreditConfig):
+        super().__init__(lambda: source.operators, cfg)
         self.source = source
-        self.low_precision = cfg.fit_precision == "auto"
-        self.closed_form = False
-        self.stats: list[torch.Tensor] = []
         self.sums: torch.Tensor | None = None  # this update's sum of dX^T U_b / s_b over its micro-batches
         self.tokens = 0
         self.scales: list[float] | None = None  # this update's tangent scales, fixed at its first micro-batch
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.seeds = torch.Generator().manual_seed(cfg.feedback_seed + rank)  # each rank draws its own tangents
-
-    @property
-    def decoders(self) -> torch.Tensor:
-        return self.source.operators.transpose(1, 2)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.source.operators.dtype
 
     def context(self, trainer, inputs: torch.Tensor, scale: float):
         self.estimate(trainer.model, inputs, trainer.runtime.autocast())
@@ -197,9 +185,6 @@ class FDFATeacher(FeedbackTeacher):
         sums = jacobian_sums(model, inputs, seeds, self.scales, autocast, self.low_precision)
         self.sums = sums if self.sums is None else self.sums + sums
         self.tokens += inputs.numel()
-
-    def _accumulate_gradient(self, gram, cross, true_sq, scale: float) -> None:
-        """Nothing: the true corrections measure the operators, they never move them."""
 
     def step(self) -> dict:
         """Report the fit of the operators as they stood on this update, then fold in its estimate."""

@@ -222,26 +222,42 @@ class DFASource(FittedSource):
         return DFACalibration(self, self.credit_cfg)
 
 
-class DFACalibration(Teaching):
-    """The teacher of calibrated DFA: it fits nothing but s_b. From the streamed moments (as the fitted feedback's
-    teacher streams them) it has, per branch, |c_b|^2, |e B_b|^2 = tr(B_b^T G B_b) and <c_b, e B_b>; so the fit
-    report (error and cosine of the injected s_b e B_b) costs nothing more. s_b follows the RMS ratio with
-    momentum, the first measurement taken whole (as DNI's scales)."""
+class MeasuredFeedback(Teaching):
+    """A teacher that measures maps c_b = e M_b it does not fit by least squares against the true corrections:
+    each teacher micro-batch streams the moments (as the fitted feedback's teacher does) and keeps the fit
+    statistics of `maps()` (branches, d, d) as they stand."""
+
+    def __init__(self, maps, cfg: CreditConfig):
+        self.maps, self.low_precision = maps, cfg.fit_precision == "auto"
+        self.stats: list[torch.Tensor] = []
+
+    def context(self, trainer, inputs, scale: float) -> FeedbackFitCredit:
+        M = self.maps()
+        return moment_context(trainer, inputs, M.shape[0], M.shape[1], M.dtype, self.low_precision, scale)
+
+    def collect(self, trainer, credit: FeedbackFitCredit) -> None:
+        gram, cross, true_sq = streamed_moments(credit)  # c = e M_b is the prediction D_b e with D_b = M_b^T
+        self.stats.append(feedback_stats(self.maps().transpose(1, 2), gram, cross, true_sq))
+
+    def summarize(self) -> dict:
+        """The fit report of this update's micro-batches, of the maps as they stood."""
+        summary = summarize_stats(self.stats)
+        self.stats = []
+        return summary
+
+
+class DFACalibration(MeasuredFeedback):
+    """The teacher of calibrated DFA: it fits nothing but s_b. The measured statistics of B_b (at unit scale)
+    hold, per branch, |c_b|^2, |e B_b|^2 = tr(B_b^T G B_b) and <c_b, e B_b>; so the fit report (error and cosine
+    of the injected s_b e B_b) costs nothing more. s_b follows the RMS ratio with momentum, the first
+    measurement taken whole (as DNI's scales)."""
 
     MOMENTUM = 0.9
 
     def __init__(self, source: DFASource, cfg: CreditConfig):
-        self.source, self.low_precision = source, cfg.fit_precision == "auto"
-        self.stats: list[torch.Tensor] = []  # at the unit scale, per micro-batch
+        super().__init__(lambda: source.feedback, cfg)
+        self.source = source
         self.calibrated = False
-
-    def context(self, trainer, inputs, scale: float) -> FeedbackFitCredit:
-        branches, d, _ = self.source.feedback.shape
-        return moment_context(trainer, inputs, branches, d, self.source.feedback.dtype, self.low_precision, scale)
-
-    def collect(self, trainer, credit: FeedbackFitCredit) -> None:
-        gram, cross, true_sq = streamed_moments(credit)
-        self.stats.append(feedback_stats(self.source.feedback.transpose(1, 2), gram, cross, true_sq))
 
     @torch.no_grad()
     def step(self) -> dict:
@@ -269,5 +285,5 @@ class DFACalibration(Teaching):
         self.calibrated = state["calibrated"]
 
 
-__all__ = ["DFASource", "DFACalibration", "FeedbackCredit", "FittedFeedbackSource", "FeedbackTeacher",
+__all__ = ["DFASource", "DFACalibration", "MeasuredFeedback", "FeedbackCredit", "FittedFeedbackSource", "FeedbackTeacher",
            "FeedbackFitCredit", "feedback_stats", "moment_context", "streamed_moments"]
