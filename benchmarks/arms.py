@@ -52,7 +52,7 @@ ARMS = {
     "teacher_lstsq": ["credit.source=learned", "credit.teacher_every=1", "credit.fit=lstsq"],
     "teacher_typed": ["credit.source=typed", "credit.teacher_every=1", "credit.fit=lstsq"],
     "teacher_feedback": ["credit.source=fitted_feedback", "credit.teacher_every=1", "credit.fit=lstsq"],
-    "native_plain": ["credit.source=exact", "model.recompute=none"],
+    "native_plain": ["credit.source=exact", "model.mlp=plain", "model.recompute=none"],
     "dfa_calibrated": ["credit.source=dfa", "credit.dfa_scale=calibrated", "credit.teacher_every=0"],
     "teacher_dfa_calibrated": ["credit.source=dfa", "credit.dfa_scale=calibrated", "credit.teacher_every=1"],
     "fdfa": ["credit.source=fdfa", "credit.teacher_every=0"],
@@ -68,10 +68,11 @@ MODIFIERS = {
     "tuned": ["train.compile_mode=coordinate-descent"],
     "autotune": ["train.compile_mode=max-autotune-no-cudagraphs"],
     "eager": ["train.compile=off"],
-    "keep_mlp": ["model.recompute=norm,qk"],
-    "keep_norm": ["model.recompute=qk,mlp"],
-    "keep_qk": ["model.recompute=norm,mlp"],
-    "keep_norm_qk": ["model.recompute=mlp"],
+    "plain_mlp": ["model.mlp=plain", "model.recompute=mlp"],  # ReLU^2 op by op, recomputed (the earlier default)
+    "keep_mlp": ["model.mlp=plain", "model.recompute=norm,qk"],
+    "keep_norm": ["model.mlp=plain", "model.recompute=qk,mlp"],
+    "keep_qk": ["model.mlp=plain", "model.recompute=norm,mlp"],
+    "keep_norm_qk": ["model.mlp=plain", "model.recompute=mlp"],
     "recompute_all": ["model.recompute=all"],
     "flash": ["train.sdpa=flash"],
     "cudnn": ["train.sdpa=cudnn"],
@@ -204,9 +205,11 @@ def build_arm(name: str, base: config_mod.Config, init_state: dict) -> dict:
         inputs, targets = trainer._batch()
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
+        # the source's own context, as the trainer asks for it (a sketch takes its first basis here)
+        credit = trainer.source.context(trainer, inputs, targets, "synthetic" if trainer.source.omits else "exact",
+                                        1.0)
         with runtime.autocast():
-            loss = trainer._forward(inputs, targets, credit=trainer.source.exact_step() if not trainer.source.omits
-                                    else trainer.source.step(), loss_chunk=cfg.train.loss_chunk)
+            loss = trainer._forward(inputs, targets, credit=credit, loss_chunk=cfg.train.loss_chunk)
         torch.cuda.synchronize()
         saved.append((torch.cuda.memory_allocated() - before) / 2**20)
         loss.backward()
