@@ -29,10 +29,13 @@ class ModelConfig:
     rope_base: float = 10_000.0
     vocab_pad_multiple: int = 64  # the head is padded for speed; FLOPs count the true vocabulary
     # Pointwise work redone in the backward instead of kept: any of norm (the blocks' RMSNorms), qk (QK-norm and
-    # rotary), mlp (ReLU^2), comma-separated; "all" or "none" (true/false read as all/none). At the seed shape
-    # on an H200, "mlp" peaks 3.6 GB lower than "none" at the same speed (-0.8% and +1.4% in two runs); "all"
-    # peaks 3.7 GB lower again but is 6-7% slower (benchmarks/native_seed.md).
-    recompute: str = "mlp"
+    # rotary), mlp (ReLU^2 of the plain MLP; the fused one keeps only its output and recomputes nothing),
+    # comma-separated; "all" or "none" (true/false read as all/none). Measured: benchmarks/native_seed.md.
+    recompute: str = "none"
+    # fused: ReLU^2 computed in the expansion's epilogue and its derivative in the epilogue of the projection's
+    # input-gradient product (relu2.py, Triton on CUDA), keeping only the activation; plain: op by op, ReLU^2
+    # recomputed in the backward where model.recompute names mlp (records from before the fused MLP read plain).
+    mlp: str = "fused"
 
     @property
     def recompute_parts(self) -> frozenset[str]:
@@ -89,6 +92,7 @@ class CreditConfig:
 
 
 RECOMPUTE_PARTS = ("norm", "qk", "mlp")
+MLPS = ("fused", "plain")
 FITS = ("adam", "lstsq")
 DFA_SCALES = ("none", "calibrated")
 
@@ -187,6 +191,8 @@ class Config:
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
         cfg = cls()
+        if "model" in d and "mlp" not in d["model"]:
+            cfg.model.mlp = "plain"  # a record from before the fused MLP: it ran the plain one
         for section, values in d.items():
             for key, value in values.items():
                 _assign(cfg, f"{section}.{key}", value)
@@ -306,9 +312,15 @@ def validate(cfg: Config) -> None:
         if getattr(m, key) < 1:
             problems.append(f"model.{key} must be positive")
     try:
-        parse_recompute(m.recompute)
+        parts = parse_recompute(m.recompute)
     except ValueError as exc:
         problems.append(f"model.recompute: {exc}")
+    else:
+        if m.mlp == "fused" and "mlp" in parts and m.recompute not in ("all", "true"):
+            problems.append("model.recompute=mlp: the fused MLP keeps only ReLU^2's output, so there is nothing to "
+                            "recompute; drop mlp from model.recompute or set model.mlp=plain")
+    if m.mlp not in MLPS:
+        problems.append(f"model.mlp must be one of {'|'.join(MLPS)}, got {m.mlp!r}")
     if cfg.data.source not in ("synthetic", "shards"):
         problems.append(f"data.source must be synthetic|shards, got {cfg.data.source!r} (shards are read from "
                         f"data.dir; prepare them with `creditlab data prepare`)")

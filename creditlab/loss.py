@@ -32,7 +32,7 @@ def softcap_ce_rows(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int
 def _chunk_loss_and_grads(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
                           cap: float, scale: float):
     """Sum of the chunk's losses, and d(scale * sum)/dh, d(scale * sum)/dW. h: (n, d); weight: (Vp, d)."""
-    # On CUDA the pointwise work is one Triton kernel (kernels.py); elsewhere the torch arithmetic.
+    # On CUDA the pointwise work is one Triton kernel (kernels/softcap_ce.py); elsewhere the torch arithmetic.
     rows_fn = kernels.softcap_ce_rows if kernels.available(h) else softcap_ce_rows
     loss_rows, dlogits = rows_fn(h @ weight.t(), targets, vocab_size, cap, scale)
     return loss_rows.sum(), dlogits @ weight, dlogits.t() @ h

@@ -2,9 +2,9 @@
 
 Read it top to bottom. Each block has two *branches*, attention and MLP; each reads `n = norm(x)` from the
 residual stream. The products the synthetic backward omits are the ones the credit context computes,
-`credit.product(b, credit.branch(b, n), W)`: the Q/K/V projection of attention and the expansion of the MLP.
-Everything else in a branch (the attention gate, the value embeddings, the output projections) reads `n` itself
-and stays exact. The residual stream
+`credit.product(b, credit.branch(b, n), W)`: the Q/K/V projection of attention and the expansion of the MLP
+(which, fused, also applies ReLU^2: relu2.py). Everything else in a branch (the attention gate, the value
+embeddings, the output projections) reads `n` itself and stays exact. The residual stream
 entering the final norm passes `credit.terminal(x)`: the tap where the terminal error appears in backward;
 `credit.finish(loss)` may add exactly-zero terms that carry injected corrections (credit/sources.py).
 """
@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from creditlab.config import ModelConfig
 from creditlab.loss import head_loss, head_loss_sum
+from creditlab.relu2 import expand_relu2, project_relu2
 
 
 def norm(x: torch.Tensor) -> torch.Tensor:
@@ -45,9 +46,15 @@ class ExactCredit:
     def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
         return n
 
-    def product(self, index: int, n: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Branch `index`'s product n W^T, whose input gradient the synthetic backward omits."""
-        return F.linear(n, weight)
+    def product(self, index: int, n: torch.Tensor, weight: torch.Tensor, activation: str | None = None):
+        """Branch `index`'s product n W^T, whose input gradient the synthetic backward omits. With
+        activation="relu2" (the fused MLP) it returns relu(n W^T)^2 and takes the gradient of n W^T back
+        (relu2.py): a source that replaces the product's backward sees the same gradient either way."""
+        if activation is None:
+            return F.linear(n, weight)
+        if activation != "relu2":
+            raise ValueError(f"unknown activation {activation!r}")
+        return expand_relu2(n, weight)
 
     def terminal(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -110,9 +117,14 @@ class MLP(nn.Module):
         self.fc = nn.Linear(cfg.width, cfg.mlp_hidden, bias=False)  # the omitted input product: W_fc^T dH
         self.proj = nn.Linear(cfg.mlp_hidden, cfg.width, bias=False)
         self.recompute = "mlp" in cfg.recompute_parts
+        # fused: ReLU^2 in the epilogues of the products on either side of it, only its output kept (relu2.py)
+        self.activation = "relu2" if cfg.mlp == "fused" else None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """h: n W_fc^T, computed by the credit context (the omitted product)."""
+        """h: the credit context's product with W_fc (the omitted product): relu(n W_fc^T)^2 when fused, else
+        n W_fc^T."""
+        if self.activation == "relu2":
+            return project_relu2(h, self.proj.weight)
         return self.proj(recomputed(self.recompute, relu_squared, h))
 
 
@@ -138,7 +150,7 @@ class Block(nn.Module):
         a, m = 2 * self.index, 2 * self.index + 1  # the block's branches
         x = x + self.attn(n, credit.product(a, credit.branch(a, n), self.attn.qkv.weight), ve)
         n = recomputed(self.recompute, norm, x)
-        x = x + self.mlp(credit.product(m, credit.branch(m, n), self.mlp.fc.weight))
+        x = x + self.mlp(credit.product(m, credit.branch(m, n), self.mlp.fc.weight, self.mlp.activation))
         return x
 
 

@@ -53,3 +53,22 @@ def test_the_compiled_model_keeps_no_chunk_of_logits_for_the_backward(report):
     assert report["logits_kept_fused"] == 0, report
     # The same loop traced op by op (the earlier structure) kept both chunks' logits gradients: the check fails.
     assert report["logits_kept_op_by_op"] == 2, report
+
+
+@pytest.mark.parametrize("case", ["relu2_even", "relu2_partial", "relu2_one_subtile", "relu2_prefetch"])
+def test_relu2_matmul_kernels_match_float64_and_write_every_element(report, case):
+    r = report[case]
+    assert r["all_written"], r
+    for op in ("relu2_linear", "relu2_dgrad", "matmul_nk", "matmul_kn"):
+        assert r[op] < 1e-5, (op, r)  # float32 accumulation of K <= 40 products
+
+
+def test_the_relu2_comparison_fails_for_a_wrong_derivative(report):
+    # the derivative epilogue (2 sqrt(post)) against a reference with relu(h) in place of 2 relu(h)
+    assert report["relu2_wrong_derivative"]["relu2_dgrad"] > 0.5, report["relu2_wrong_derivative"]
+
+
+def test_the_fused_mlp_through_the_kernels_matches_the_float64_mlp(report):
+    r = report["fused_mlp"]
+    assert r["epilogues_launched"] == [1, 2], r  # the ReLU^2 forward and the derivative epilogue ran
+    assert max(r["errors"].values()) < 1e-5, r

@@ -6,8 +6,8 @@ import torch
 from creditlab import checks, config
 
 
-def _saved_bytes_and_grads(cfg, recompute: str):
-    cfg.recompute = recompute
+def _saved_bytes_and_grads(cfg, recompute: str, mlp: str = "plain"):
+    cfg.recompute, cfg.mlp = recompute, mlp
     model = checks.randomized_model(cfg, 0)
     idx, targets = checks._batch(cfg, 0)
     saved = []
@@ -35,14 +35,39 @@ def test_recompute_keeps_less_and_changes_no_gradient():
     assert kept["all"] < min(kept["norm"], kept["qk"], kept["mlp"])
 
 
+def test_the_fused_mlp_keeps_what_the_recomputing_plain_one_keeps_with_the_same_gradients():
+    # float64 on the CPU: the fused MLP's Functions (relu2.py) with the torch arithmetic, against autograd
+    cfg = checks.seed_structure()
+    kept_plain, grads_plain = _saved_bytes_and_grads(cfg, "mlp", "plain")
+    kept_fused, grads_fused = _saved_bytes_and_grads(cfg, "none", "fused")
+    kept_plain_none, _ = _saved_bytes_and_grads(cfg, "none", "plain")
+    # The plain MLP keeps h for its recompute and post for the projection's weight gradient; the fused one keeps
+    # post alone: one (tokens, hidden) tensor less per layer.
+    idx, _ = checks._batch(cfg, 0)
+    hidden_tensor = idx.numel() * cfg.mlp_hidden * 8
+    assert kept_plain - kept_fused == cfg.layers * hidden_tensor
+    assert kept_plain < kept_plain_none
+    for name, g in grads_plain.items():
+        torch.testing.assert_close(grads_fused[name], g, rtol=1e-12, atol=1e-14)
+
+
 def test_recompute_spec_errors_name_the_parts():
     for good, parts in (("all", {"norm", "qk", "mlp"}), ("false", set()), ("qk, mlp", {"qk", "mlp"})):
-        assert config.load("tiny", [f"model.recompute={good}"]).model.recompute_parts == parts
+        assert config.load("tiny", [f"model.recompute={good}", "model.mlp=plain"]).model.recompute_parts == parts
     with pytest.raises(config.ConfigError, match="unknown part.*attn.*norm,qk,mlp"):
         config.load("tiny", ["model.recompute=attn,mlp"])
+    with pytest.raises(config.ConfigError, match="fused MLP keeps only"):
+        config.load("tiny", ["model.recompute=qk,mlp"])  # nothing of the fused MLP to recompute
+    assert config.load("tiny", ["model.recompute=all"]).model.mlp == "fused"  # all: every part there is
 
 
 def test_records_written_when_recompute_was_a_flag_still_load():
     for flag, parts in ((True, {"norm", "qk", "mlp"}), (False, set())):
         cfg = config.Config.from_dict({"model": {"recompute": flag}})
         assert cfg.model.recompute_parts == parts
+
+
+def test_records_from_before_the_fused_mlp_read_as_the_plain_mlp_they_ran():
+    assert config.Config.from_dict({"model": {"recompute": "mlp"}}).model.mlp == "plain"
+    assert config.Config.from_dict({"model": {"mlp": "fused"}}).model.mlp == "fused"
+    assert config.Config.from_dict(config.Config().to_dict()).model.mlp == "fused"

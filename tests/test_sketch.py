@@ -19,6 +19,7 @@ from creditlab.credit.sources import ZeroSource
 from creditlab.data import SyntheticLoader
 from creditlab.flops import sketch_cost
 from creditlab.model import ExactCredit
+from creditlab.relu2 import expand_relu2_values
 from creditlab.train import Trainer
 from tests.test_credit import CountMatmuls, train_eager_and_compiled
 
@@ -55,19 +56,19 @@ class _TransposedSketch(torch.autograd.Function):
     """A mutant: (dY W V) V instead of (dY W V) V^T, which at full rank is not the identity on dY W."""
 
     @staticmethod
-    def forward(ctx, n, weight, basis):
+    def forward(ctx, n, weight, basis, activation):
         ctx.save_for_backward(n, weight, basis)
-        return F.linear(n, weight)
+        return F.linear(n, weight) if activation is None else expand_relu2_values(n, weight)[0]
 
     @staticmethod
     def backward(ctx, dy):
         n, weight, basis = ctx.saved_tensors
-        return (dy @ (weight @ basis)) @ basis, dy.flatten(0, -2).t() @ n.flatten(0, -2), None
+        return (dy @ (weight @ basis)) @ basis, dy.flatten(0, -2).t() @ n.flatten(0, -2), None, None
 
 
 class _TransposedCredit(SketchCredit):
-    def product(self, index, n, weight):
-        return _TransposedSketch.apply(n, weight, self.basis[index])
+    def product(self, index, n, weight, activation=None):
+        return _TransposedSketch.apply(n, weight, self.basis[index], activation)
 
 
 def test_low_rank_differs_the_svd_basis_beats_a_random_one_and_a_mutant_fails():
@@ -170,8 +171,8 @@ class _OutputTap(ExactCredit):
     def __init__(self):
         self.outputs = []
 
-    def product(self, index, n, weight):
-        y = super().product(index, n, weight)
+    def product(self, index, n, weight, activation=None):
+        y = super().product(index, n, weight, activation)  # fused or not, y's gradient is dL/d(n W^T)
         self.outputs.append(y)
         return y
 
@@ -244,7 +245,7 @@ def test_the_sketched_product_compiles_to_the_eager_gradients():
     probe = torch.randn(2, 5, 48, dtype=torch.float64)
 
     def loss(n, weight):
-        return (_SketchedLinear.apply(n, weight, basis) * probe).sum()
+        return (_SketchedLinear.apply(n, weight, basis, None) * probe).sum()
 
     compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
     eager = torch.autograd.grad(loss(n, weight), (n, weight))
@@ -266,7 +267,7 @@ def test_under_autocast_it_casts_as_f_linear_does():
     basis = leading_basis(weight, 32)
     probe = torch.randn(4, 8, 96)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        sketched, native = _SketchedLinear.apply(n, weight, basis), F.linear(n, weight)
+        sketched, native = _SketchedLinear.apply(n, weight, basis, None), F.linear(n, weight)
     assert sketched.dtype == native.dtype == torch.bfloat16 and torch.equal(sketched, native)
     got = torch.autograd.grad(sketched, (n, weight), probe.bfloat16())
     want = torch.autograd.grad(native, (n, weight), probe.bfloat16())

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from creditlab.config import Config
 from creditlab.credit.sources import CreditSource
 from creditlab.model import ExactCredit, GPT
+from creditlab.relu2 import expand_relu2_values
 
 
 class _SketchedLinear(torch.autograd.Function):
@@ -32,9 +33,11 @@ class _SketchedLinear(torch.autograd.Function):
     (run by the autograd engine, possibly compiled) need not share with the forward."""
 
     @staticmethod
-    def forward(ctx, n, weight, basis):
+    def forward(ctx, n, weight, basis, activation):
         ctx.save_for_backward(n, weight, basis)
-        return F.linear(n, weight)
+        if activation is None:
+            return F.linear(n, weight)
+        return expand_relu2_values(n, weight)[0]  # the fused MLP's convention: dy below is dL/d(n W^T)
 
     @staticmethod
     def backward(ctx, dy):
@@ -43,7 +46,7 @@ class _SketchedLinear(torch.autograd.Function):
         factor = (weight.to(acc) @ basis.to(acc)).to(dy.dtype)  # A = W V (m, k), once per micro-batch
         grad_n = (dy @ factor) @ basis.to(dy.dtype).t()
         grad_weight = dy.flatten(0, -2).t() @ n.to(dy.dtype).flatten(0, -2)  # what F.linear's backward computes
-        return grad_n.to(n.dtype), grad_weight.to(weight.dtype), None
+        return grad_n.to(n.dtype), grad_weight.to(weight.dtype), None, None
 
 
 class SketchCredit(ExactCredit):
@@ -52,8 +55,8 @@ class SketchCredit(ExactCredit):
     def __init__(self, basis: torch.Tensor):
         self.basis = basis  # (branches, d, k)
 
-    def product(self, index: int, n: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return _SketchedLinear.apply(n, weight, self.basis[index])
+    def product(self, index: int, n: torch.Tensor, weight: torch.Tensor, activation: str | None = None):
+        return _SketchedLinear.apply(n, weight, self.basis[index], activation)
 
 
 def leading_basis(weight: torch.Tensor, rank: int) -> torch.Tensor:

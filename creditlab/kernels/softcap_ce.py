@@ -1,6 +1,4 @@
-"""Triton kernels, for the few places where a measured gap demands one.
-
-`softcap_ce_rows`: the soft-capped cross-entropy of a chunk of logits and its gradient, one program per row. The
+"""`softcap_ce_rows`: the soft-capped cross-entropy of a chunk of logits and its gradient, one program per row. The
 compiler's fused version of the same arithmetic (`loss.softcap_ce_rows`) made four passes over the
 bf16 logits at about 0.8 TB/s on an H200; this kernel makes one read of each row from memory (the second
 pass finds it in L2) and one write. Because z = cap * tanh(l / cap) never exceeds cap, the log-sum-exp needs
@@ -14,19 +12,9 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU path never needs it
-    triton = None
-
+from creditlab.kernels._triton import tl, triton
 
 DEFAULT_BLOCK, DEFAULT_WARPS = 512, 4  # fastest at the seed shape (benchmarks/softcap_ce.md)
-
-
-def available(t: torch.Tensor) -> bool:
-    return triton is not None and t.is_cuda
-
 
 if triton is not None:
 

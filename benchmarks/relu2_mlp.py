@@ -1,0 +1,154 @@
+"""The fused MLP's kernels on the GPU at the seed shape: tile configurations against cuBLAS plus the compiler's
+pointwise pass, bf16 error against float64, and the whole MLP (forward and backward) fused against plain.
+
+    python benchmarks/relu2_mlp.py --out DIR [--tokens 131072] [--width 512] [--hidden 2048]
+
+Writes DIR/relu2_mlp.json and DIR/relu2_mlp.md. Any CUDA machine with Triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from creditlab import relu2  # noqa: E402
+from creditlab.kernels import relu2_matmul as rm  # noqa: E402
+
+# The 128 x 256 x 64 tile with the epilogue in two halves is the only one whose derivative epilogue fits the
+# shared memory at three stages; loading the post tile before the K loop (prefetch) spills registers.
+CONFIGS = [rm.TileConfig(),
+           rm.TileConfig(group_m=16),
+           rm.TileConfig(group_m=16, prefetch=True),
+           rm.TileConfig(block_n=128, stages=4, warps=4, subtiles=1)]
+
+
+def time_ms(fn, reps=30):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    stop.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(stop) / reps
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tokens", type=int, default=131_072)  # one seed micro-batch: 64 x 2,048
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--hidden", type=int, default=2048)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("this benchmark needs a CUDA GPU", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    M, d, m = args.tokens, args.width, args.hidden
+    torch.manual_seed(0)
+    x = torch.randn(M, d, device="cuda").bfloat16()
+    w_fc = (torch.rand(m, d, device="cuda") * 2 - 1).mul(3 ** 0.5 * d ** -0.5).bfloat16()
+    w_proj = (torch.randn(d, m, device="cuda") * m ** -0.5).bfloat16()
+    dy = (torch.randn(M, d, device="cuda") * 1e-3).bfloat16()
+    flop = 2 * M * d * m
+
+    @torch.compile
+    def plain_forward(x, w):  # what the plain MLP's compiled graph runs: the product, then one pointwise pass
+        r = torch.relu(F.linear(x, w))
+        return r * r
+
+    @torch.compile
+    def plain_dgrad(dy, w, h):  # the product, then the derivative's pointwise pass (reading h)
+        return (dy @ w) * (2 * torch.relu(h))
+
+    h = F.linear(x, w_fc)
+    post = plain_forward(x, w_fc)
+    rows = []
+
+    def record(op, impl, ms, cfg=None):
+        rows.append({"op": op, "impl": impl, "config": None if cfg is None else cfg.__dict__, "ms": ms,
+                     "TFLOP_per_s": flop / ms / 1e9})
+
+    record("expand", "cuBLAS product only", time_ms(lambda: F.linear(x, w_fc)))
+    record("expand", "cuBLAS + compiled ReLU^2 pass", time_ms(lambda: plain_forward(x, w_fc)))
+    record("dgrad", "cuBLAS product only", time_ms(lambda: dy @ w_proj))
+    record("dgrad", "cuBLAS + compiled derivative pass", time_ms(lambda: plain_dgrad(dy, w_proj, h)))
+    for cfg in CONFIGS:
+        try:
+            record("expand", "kernel, no epilogue", time_ms(lambda: rm.matmul(x, w_fc, False, cfg)), cfg)
+            record("expand", "kernel + ReLU^2 epilogue", time_ms(lambda: rm.relu2_linear(x, w_fc, cfg)), cfg)
+            record("dgrad", "kernel, no epilogue", time_ms(lambda: rm.matmul(dy, w_proj, True, cfg)), cfg)
+            record("dgrad", "kernel + derivative epilogue",
+                   time_ms(lambda: rm.relu2_dgrad(dy, w_proj, post, cfg)), cfg)
+        except Exception as exc:  # a configuration that does not fit the chip's shared memory, say
+            rows.append({"op": "both", "impl": "failed", "config": cfg.__dict__, "error": str(exc)[:300]})
+
+    # bf16 error of each path against float64 arithmetic on the same bf16 inputs (a slice of rows).
+    s = slice(0, 8192)
+    h64 = x[s].double() @ w_fc.double().t()
+    post64 = torch.relu(h64) ** 2
+    dh64 = (dy[s].double() @ w_proj.double()) * 2 * torch.relu(h64)
+    errors = {
+        "expand_plain": rel_err(plain_forward(x[s], w_fc), post64),
+        "expand_kernel": rel_err(rm.relu2_linear(x[s], w_fc), post64),
+        "dgrad_plain": rel_err(plain_dgrad(dy[s], w_proj, h[s]), dh64),
+        "dgrad_kernel": rel_err(rm.relu2_dgrad(dy[s], w_proj, post[s]), dh64),
+    }
+
+    # The whole MLP, forward and backward, under bf16 autocast, with the expansion's input gradient (native).
+    def mlp_plain(x, w1, w2):
+        r = torch.relu(F.linear(x, w1))
+        return F.linear(r * r, w2)
+
+    def mlp_fused(x, w1, w2):
+        return relu2.project_relu2(relu2.expand_relu2(x, w1), w2)
+
+    xs = x.view(64, -1, d).float().requires_grad_(True)
+    w1 = w_fc.float().requires_grad_(True)
+    w2 = w_proj.float().requires_grad_(True)
+    g = dy.view(64, -1, d)
+    whole = {}
+    for name, fn in (("plain", torch.compile(mlp_plain)), ("fused", torch.compile(mlp_fused))):
+        def step(fn=fn):
+            with torch.autocast("cuda", torch.bfloat16):
+                y = fn(xs, w1, w2)
+            y.backward(g)
+        whole[name] = time_ms(step)
+    result = {"shape": {"tokens": M, "width": d, "hidden": m}, "rows": rows, "bf16_rel_err": errors,
+              "mlp_fwd_bwd_ms": whole, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    (out / "relu2_mlp.json").write_text(json.dumps(result, indent=2))
+    lines = [f"# Fused MLP kernels, {M} tokens x {d} -> {m} (bf16, {result['device']}, torch {torch.__version__})",
+             "", "| op | implementation | config (BM, BN, BK, group, stages, warps, subtiles) | ms | TFLOP/s |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        c = r["config"]
+        cfg = "" if c is None else ", ".join(str(v) for v in c.values())
+        if r["impl"] == "failed":
+            lines.append(f"| {r['op']} | failed | {cfg} | {r['error']} | |")
+        else:
+            lines.append(f"| {r['op']} | {r['impl']} | {cfg} | {r['ms']:.4f} | {r['TFLOP_per_s']:.0f} |")
+    lines += ["", "bf16 max error relative to the float64 result's largest entry:", ""]
+    lines += [f"- {k}: {v:.2e}" for k, v in errors.items()]
+    lines += ["", f"Whole MLP forward + backward (compiled, autocast): plain {whole['plain']:.3f} ms, "
+              f"fused {whole['fused']:.3f} ms ({whole['fused'] / whole['plain']:.3f} x)"]
+    (out / "relu2_mlp.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
