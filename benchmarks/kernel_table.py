@@ -61,7 +61,9 @@ def read_profile(path: Path) -> dict:
             cpu, cuda = _ms(self_cpu), _ms(self_cuda)
         except AttributeError:
             continue
-        if cpu > 0 or cuda == 0 or (name, self_cuda) in seen:
+        # no CPU time of its own: a kernel, or a range the profiler draws on the GPU's timeline over kernels
+        # listed anyway (the optimizers' steps), which would count them twice
+        if cpu > 0 or cuda == 0 or (name, self_cuda) in seen or name.startswith(("Optimizer.", "ProfilerStep")):
             continue
         seen.add((name, self_cuda))
         by_class[classify(name)] = by_class.get(classify(name), 0.0) + cuda / updates

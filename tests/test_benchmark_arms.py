@@ -1,5 +1,7 @@
 """The benchmark's arm names resolve to valid configs on the CPU, before any GPU time is spent on them."""
 
+from pathlib import Path
+
 import pytest
 
 from benchmark_scripts import load
@@ -51,3 +53,14 @@ def test_gpu_busy_is_the_union_of_device_intervals():
     busy, kernels, gaps = arms.gpu_busy_ms({"traceEvents": events}, gaps=1)
     assert busy == (15 + 5) / 1e3 and kernels == 3
     assert gaps == [(15 / 1e3, "?", "?")]
+
+
+def test_kernel_table_classifies_a_profile_and_accounts_for_its_busy_time():
+    kernel_table = load("kernel_table")
+    profile = Path(__file__).resolve().parents[1] / "benchmarks/results/profile_native_fused_mlp_seed.txt"
+    read = kernel_table.read_profile(profile)
+    assert read["busy_ms"] == 313.8 and read["kernels"] == 3108
+    assert sum(read["by_class"].values()) == pytest.approx(read["busy_ms"])  # the listed rows plus the rest
+    assert read["by_class"]["fused MLP products (Triton)"] > 30 and "ReLU^2 (plain MLP)" not in read["by_class"]
+    assert kernel_table.classify("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "products (cuBLAS)"
+    assert kernel_table.classify("triton_red_fused__to_copy_add_cat_div_expand_mul_neg_pow") == "QK-norm + rotary"
