@@ -36,6 +36,10 @@ class ModelConfig:
     # input-gradient product (relu2.py, Triton on CUDA), keeping only the activation; plain: op by op, ReLU^2
     # recomputed in the backward where model.recompute names mlp (records from before the fused MLP read plain).
     mlp: str = "fused"
+    # fused: QK-norm and rotary positions in one pass each way over the Q/K/V product's output (qk_norm.py,
+    # Triton on CUDA), the rotated q and k kept (attention keeps them anyway); plain: op by op (records from
+    # before the fused QK-norm read plain).
+    qk: str = "fused"
 
     @property
     def recompute_parts(self) -> frozenset[str]:
@@ -92,7 +96,7 @@ class CreditConfig:
 
 
 RECOMPUTE_PARTS = ("norm", "qk", "mlp")
-MLPS = ("fused", "plain")
+MLPS = ("fused", "plain")  # also the choices of model.qk
 FITS = ("adam", "lstsq")
 DFA_SCALES = ("none", "calibrated")
 
@@ -191,8 +195,9 @@ class Config:
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
         cfg = cls()
-        if "model" in d and "mlp" not in d["model"]:
-            cfg.model.mlp = "plain"  # a record from before the fused MLP: it ran the plain one
+        for fused in ("mlp", "qk"):
+            if "model" in d and fused not in d["model"]:
+                setattr(cfg.model, fused, "plain")  # a record from before the fused module: it ran the plain one
         for section, values in d.items():
             for key, value in values.items():
                 _assign(cfg, f"{section}.{key}", value)
@@ -319,8 +324,13 @@ def validate(cfg: Config) -> None:
         if m.mlp == "fused" and "mlp" in parts and m.recompute not in ("all", "true"):
             problems.append("model.recompute=mlp: the fused MLP keeps only ReLU^2's output, so there is nothing to "
                             "recompute; drop mlp from model.recompute or set model.mlp=plain")
+        if m.qk == "fused" and "qk" in parts and m.recompute not in ("all", "true"):
+            problems.append("model.recompute=qk: the fused QK-norm keeps only what attention keeps, so there is "
+                            "nothing to recompute; drop qk from model.recompute or set model.qk=plain")
     if m.mlp not in MLPS:
         problems.append(f"model.mlp must be one of {'|'.join(MLPS)}, got {m.mlp!r}")
+    if m.qk not in MLPS:
+        problems.append(f"model.qk must be one of {'|'.join(MLPS)}, got {m.qk!r}")
     if cfg.data.source not in ("synthetic", "shards"):
         problems.append(f"data.source must be synthetic|shards, got {cfg.data.source!r} (shards are read from "
                         f"data.dir; prepare them with `creditlab data prepare`)")

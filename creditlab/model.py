@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from creditlab.config import ModelConfig
 from creditlab.loss import head_loss, head_loss_sum
+from creditlab.qk_norm import qk_norm_rotary
 from creditlab.relu2 import expand_relu2, project_relu2
 
 
@@ -93,6 +94,7 @@ class Attention(nn.Module):
         self.value_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if has_value_embed else None
         self.rotary = Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_base)
         self.recompute = "qk" in cfg.recompute_parts
+        self.fused_qk = cfg.qk == "fused"  # QK-norm and rotary in one pass each way (qk_norm.py)
 
     def qk_norm_rotary(self, q: torch.Tensor, k: torch.Tensor):
         return self.rotary(norm(q)), self.rotary(norm(k))
@@ -100,8 +102,11 @@ class Attention(nn.Module):
     def forward(self, n: torch.Tensor, qkv: torch.Tensor, ve: torch.Tensor | None) -> torch.Tensor:
         """qkv: n W_qkv^T, computed by the credit context (the omitted product)."""
         B, T, d = n.shape
-        q, k, v = qkv.view(B, T, 3, self.heads, self.head_dim).unbind(2)
-        q, k = recomputed(self.recompute, self.qk_norm_rotary, q, k)  # QK-norm, then rotary positions
+        if self.fused_qk:
+            q, k, v = qk_norm_rotary(qkv, self.rotary.cos, self.rotary.sin, self.heads)
+        else:
+            q, k, v = qkv.view(B, T, 3, self.heads, self.head_dim).unbind(2)
+            q, k = recomputed(self.recompute, self.qk_norm_rotary, q, k)  # QK-norm, then rotary positions
         if ve is not None:
             v = self.value_mix[0] * v + self.value_mix[1] * ve.view_as(v)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),

@@ -172,8 +172,43 @@ def fused_mlp_through_kernel():
         relu2_matmul.EXPAND_TILES, relu2_matmul.DGRAD_TILES = tiles
 
 
+def qk_norm_rotary_errors(B, T, heads, hd, seed=0, wrong_eps=False):
+    """The QK-norm + rotary kernels on fresh random float32 inputs, into NaN-poisoned outputs, against the plain
+    float64 model arithmetic (norm, then rotary) and its autograd gradient; T not a multiple of the kernel's rows.
+    `wrong_eps` runs the kernel's forward with eps 1e-2 instead of the model's 1e-6."""
+    from creditlab import qk_norm
+    from creditlab.kernels import qk_norm_rotary as qk_kernels
+    from creditlab.model import Rotary, norm
+
+    g = torch.Generator().manual_seed(seed)
+    rot = Rotary(hd, T + 3, 10_000.0)
+    qkv = torch.randn(B, T, 3 * heads * hd, generator=g) * 3
+    nan = lambda *shape: torch.full(shape, float("nan"))  # noqa: E731
+    out = (nan(B, T, heads, hd), nan(B, T, heads, hd), nan(B, T, heads, hd), nan(B, T, 2, heads))
+    q, k, v, scales = qk_kernels.qk_norm_rotary_forward(qkv, rot.cos, rot.sin, heads, 1e-2 if wrong_eps else 1e-6,
+                                                        out=out)
+    grads = [torch.randn(B, T, heads, hd, generator=g) for _ in range(3)]
+    dqkv = qk_kernels.qk_norm_rotary_backward(*grads, q, k, scales, rot.cos, rot.sin,
+                                              out=nan(B, T, 3 * heads * hd))
+    x = qkv.double().requires_grad_(True)
+    q64, k64, v64 = x.view(B, T, 3, heads, hd).unbind(2)
+    rot64 = Rotary(hd, T + 3, 10_000.0).double()
+    ref = (rot64(norm(q64)), rot64(norm(k64)), v64)
+    ref_dqkv = torch.autograd.grad(ref, x, [gr.double() for gr in grads])[0]
+
+    def err(got, want):
+        return ((got.double() - want).abs().max() / want.abs().max()).item()
+
+    return {"q": err(q, ref[0]), "k": err(k, ref[1]), "v": err(v, ref[2]), "dqkv": err(dqkv, ref_dqkv),
+            "scales": err(scales, qk_norm.reference_forward(x.detach(), rot64.cos, rot64.sin, heads)[3]),
+            "all_written": bool(not any(t.isnan().any() for t in (q, k, v, scales, dqkv)))}
+
+
 if __name__ == "__main__":
     report = {
+        "qk_even": qk_norm_rotary_errors(2, 32, 2, 16),
+        "qk_partial_rows": qk_norm_rotary_errors(1, 37, 3, 8, seed=1),
+        "qk_wrong_eps": qk_norm_rotary_errors(2, 32, 2, 16, wrong_eps=True),
         "relu2_even": relu2_errors(64, 32, 64, 2),
         "relu2_partial": relu2_errors(100, 40, 72, 2, seed=1),
         "relu2_one_subtile": relu2_errors(100, 40, 72, 1, seed=2),

@@ -72,3 +72,15 @@ def test_the_fused_mlp_through_the_kernels_matches_the_float64_mlp(report):
     r = report["fused_mlp"]
     assert r["epilogues_launched"] == [1, 2], r  # the ReLU^2 forward and the derivative epilogue ran
     assert max(r["errors"].values()) < 1e-5, r
+
+
+@pytest.mark.parametrize("case", ["qk_even", "qk_partial_rows"])
+def test_qk_norm_rotary_kernels_match_the_float64_model_and_write_every_element(report, case):
+    r = report[case]
+    assert r["all_written"], r
+    assert max(r[key] for key in ("q", "k", "v", "dqkv", "scales")) < 1e-6, r  # float32 arithmetic
+
+
+def test_the_qk_comparison_fails_for_another_epsilon(report):
+    r = report["qk_wrong_eps"]  # the kernel's norm at eps 1e-2 against the model's 1e-6
+    assert min(r["q"], r["k"], r["dqkv"]) > 1e-4, r

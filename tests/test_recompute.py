@@ -6,8 +6,8 @@ import torch
 from creditlab import checks, config
 
 
-def _saved_bytes_and_grads(cfg, recompute: str, mlp: str = "plain"):
-    cfg.recompute, cfg.mlp = recompute, mlp
+def _saved_bytes_and_grads(cfg, recompute: str, mlp: str = "plain", qk: str = "plain"):
+    cfg.recompute, cfg.mlp, cfg.qk = recompute, mlp, qk
     model = checks.randomized_model(cfg, 0)
     idx, targets = checks._batch(cfg, 0)
     saved = []
@@ -51,13 +51,26 @@ def test_the_fused_mlp_keeps_what_the_recomputing_plain_one_keeps_with_the_same_
         torch.testing.assert_close(grads_fused[name], g, rtol=1e-12, atol=1e-14)
 
 
+def test_the_fused_qk_norm_keeps_less_than_the_plain_one_with_the_same_gradients():
+    # float64 on the CPU: qk_norm.py's formulas (the kernels' arithmetic) against autograd of norm and rotary
+    cfg = checks.seed_structure()
+    kept_fused, grads_fused = _saved_bytes_and_grads(cfg, "none", "fused", "fused")
+    kept_plain, grads_plain = _saved_bytes_and_grads(cfg, "none", "fused", "plain")
+    assert kept_fused < kept_plain
+    for name, g in grads_plain.items():
+        torch.testing.assert_close(grads_fused[name], g, rtol=1e-12, atol=1e-14)
+
+
 def test_recompute_spec_errors_name_the_parts():
     for good, parts in (("all", {"norm", "qk", "mlp"}), ("false", set()), ("qk, mlp", {"qk", "mlp"})):
-        assert config.load("tiny", [f"model.recompute={good}", "model.mlp=plain"]).model.recompute_parts == parts
+        overrides = [f"model.recompute={good}", "model.mlp=plain", "model.qk=plain"]
+        assert config.load("tiny", overrides).model.recompute_parts == parts
     with pytest.raises(config.ConfigError, match="unknown part.*attn.*norm,qk,mlp"):
         config.load("tiny", ["model.recompute=attn,mlp"])
     with pytest.raises(config.ConfigError, match="fused MLP keeps only"):
         config.load("tiny", ["model.recompute=qk,mlp"])  # nothing of the fused MLP to recompute
+    with pytest.raises(config.ConfigError, match="fused QK-norm keeps only"):
+        config.load("tiny", ["model.recompute=qk"])
     assert config.load("tiny", ["model.recompute=all"]).model.mlp == "fused"  # all: every part there is
 
 
@@ -67,7 +80,9 @@ def test_records_written_when_recompute_was_a_flag_still_load():
         assert cfg.model.recompute_parts == parts
 
 
-def test_records_from_before_the_fused_mlp_read_as_the_plain_mlp_they_ran():
-    assert config.Config.from_dict({"model": {"recompute": "mlp"}}).model.mlp == "plain"
-    assert config.Config.from_dict({"model": {"mlp": "fused"}}).model.mlp == "fused"
-    assert config.Config.from_dict(config.Config().to_dict()).model.mlp == "fused"
+def test_records_from_before_the_fused_modules_read_as_the_plain_ones_they_ran():
+    old = config.Config.from_dict({"model": {"recompute": "mlp"}}).model
+    assert old.mlp == old.qk == "plain"
+    assert config.Config.from_dict({"model": {"mlp": "fused", "qk": "fused"}}).model.mlp == "fused"
+    new = config.Config.from_dict(config.Config().to_dict()).model
+    assert new.mlp == new.qk == "fused"

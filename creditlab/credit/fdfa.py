@@ -30,8 +30,8 @@ Choices:
 * The tangents are regenerated from per-branch seeds for the products dX^T U_b, not kept from the pass: held
   together, one (B, T, d) tangent per branch would be the largest thing the estimator needs.
 * The pass runs without gradients (dual tensors propagate under no_grad, so nothing is taped), with attention on
-  the math kernel (the fused kernels have no forward-mode derivative), with the plain MLP (likewise), and with the
-  model's recompute turned off
+  the math kernel (the fused kernels have no forward-mode derivative), with the plain MLP and QK-norm (likewise),
+  and with the model's recompute turned off
   (torch.utils.checkpoint opens a forward-AD level of its own, which forward AD refuses to nest; with no graph
   there is nothing for it to save anyway).
 * M_b starts at zero: nothing is injected before a branch's first estimate, and that first estimate is taken
@@ -56,7 +56,7 @@ from creditlab.config import Config, CreditConfig
 from creditlab.credit.feedback import FeedbackCredit, MeasuredFeedback
 from creditlab.credit.sources import FittedSource
 from creditlab.credit.teacher import _fit_dtypes, wide_product
-from creditlab.model import GPT, MLP, ExactCredit
+from creditlab.model import MLP, Attention, ExactCredit, GPT
 
 
 def rademacher(shape, seed: int, device, dtype=torch.float32) -> torch.Tensor:
@@ -80,22 +80,20 @@ class TangentCredit(ExactCredit):
 
 @contextlib.contextmanager
 def forward_mode_ready(model: GPT):
-    """The model with every module's `recompute` flag off and its MLPs plain (op by op) for the duration, then as
-    it was: the fused MLP's Functions define no forward-mode derivative (relu2.py); the plain MLP computes the
-    same function, so the tangents are the same."""
-    flagged = [(m, m.recompute) for m in model.modules() if isinstance(getattr(m, "recompute", None), bool)]
-    mlps = [(m, m.activation) for m in model.modules() if isinstance(m, MLP)]
+    """The model with every module's `recompute` flag off and its MLPs and QK-norms plain (op by op) for the
+    duration, then as it was: the fused Functions define no forward-mode derivative (relu2.py, qk_norm.py); the
+    plain modules compute the same functions, so the tangents are the same."""
+    settings = ([(m, "recompute", False) for m in model.modules() if isinstance(getattr(m, "recompute", None), bool)]
+                + [(m, "activation", None) for m in model.modules() if isinstance(m, MLP)]
+                + [(m, "fused_qk", False) for m in model.modules() if isinstance(m, Attention)])
+    kept = [(m, name, getattr(m, name)) for m, name, _ in settings]
     try:
-        for m, _ in flagged:
-            m.recompute = False
-        for m, _ in mlps:
-            m.activation = None
+        for m, name, value in settings:
+            setattr(m, name, value)
         yield model
     finally:
-        for m, flag in flagged:
-            m.recompute = flag
-        for m, activation in mlps:
-            m.activation = activation
+        for m, name, value in kept:
+            setattr(m, name, value)
 
 
 def directional_derivative(model: GPT, idx: torch.Tensor, tangent, autocast=None) -> torch.Tensor:
