@@ -21,19 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from creditlab.kernels import qk_norm_rotary as kernels  # noqa: E402
 from creditlab.model import Rotary, norm  # noqa: E402
 from creditlab.qk_norm import qk_norm_rotary  # noqa: E402
+from creditlab.runtime import cuda_ms  # noqa: E402
 
-
-def time_ms(fn, reps=30):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) / reps
 
 
 def main() -> int:
@@ -73,7 +62,7 @@ def main() -> int:
             q, k, v = fn(qkv)
             torch.autograd.backward((q, k, v), grads)
 
-        results[name] = {"forward_ms": time_ms(fwd), "forward_backward_ms": time_ms(fwd_bwd)}
+        results[name] = {"forward_ms": cuda_ms(fwd), "forward_backward_ms": cuda_ms(fwd_bwd)}
         qkv.grad = None
         q, k, v = fn(qkv)
         outputs[name] = (q.detach(), k.detach(), torch.autograd.grad((q, k, v), qkv, grads)[0])
@@ -118,8 +107,8 @@ def tiles(qkv, grads, rot, heads, path: Path) -> None:
             for warps in (1, 2, 4, 8):
                 kernels.ROWS = kernels.BACKWARD_ROWS = rows
                 kernels.WARPS = kernels.BACKWARD_WARPS = warps
-                forward = time_ms(lambda: kernels.qk_norm_rotary_forward(qkv, rot.cos, rot.sin, heads))
-                backward = time_ms(lambda: kernels.qk_norm_rotary_backward(*grads, q, k, scales, rot.cos, rot.sin))
+                forward = cuda_ms(lambda: kernels.qk_norm_rotary_forward(qkv, rot.cos, rot.sin, heads))
+                backward = cuda_ms(lambda: kernels.qk_norm_rotary_backward(*grads, q, k, scales, rot.cos, rot.sin))
                 lines.append(f"rows {rows} warps {warps}: forward {forward:.3f} ms backward {backward:.3f} ms")
                 print(lines[-1], flush=True)
     finally:

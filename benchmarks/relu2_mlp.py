@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from creditlab import relu2  # noqa: E402
 from creditlab.kernels import relu2_matmul as rm  # noqa: E402
+from creditlab.runtime import cuda_ms  # noqa: E402
 
 # The 128 x 256 x 64 tile with the epilogue in two halves is the only one whose derivative epilogue fits the
 # shared memory at three stages; loading the post tile before the K loop (prefetch) spills registers.
@@ -28,18 +29,6 @@ CONFIGS = [rm.TileConfig(),
            rm.TileConfig(group_m=16, prefetch=True),
            rm.TileConfig(block_n=128, stages=4, warps=4, subtiles=1)]
 
-
-def time_ms(fn, reps=30):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) / reps
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -83,17 +72,17 @@ def main() -> int:
         rows.append({"op": op, "impl": impl, "config": None if cfg is None else cfg.__dict__, "ms": ms,
                      "TFLOP_per_s": flop / ms / 1e9})
 
-    record("expand", "cuBLAS product only", time_ms(lambda: F.linear(x, w_fc)))
-    record("expand", "cuBLAS + compiled ReLU^2 pass", time_ms(lambda: plain_forward(x, w_fc)))
-    record("dgrad", "cuBLAS product only", time_ms(lambda: dy @ w_proj))
-    record("dgrad", "cuBLAS + compiled derivative pass", time_ms(lambda: plain_dgrad(dy, w_proj, h)))
+    record("expand", "cuBLAS product only", cuda_ms(lambda: F.linear(x, w_fc)))
+    record("expand", "cuBLAS + compiled ReLU^2 pass", cuda_ms(lambda: plain_forward(x, w_fc)))
+    record("dgrad", "cuBLAS product only", cuda_ms(lambda: dy @ w_proj))
+    record("dgrad", "cuBLAS + compiled derivative pass", cuda_ms(lambda: plain_dgrad(dy, w_proj, h)))
     for cfg in CONFIGS:
         try:
-            record("expand", "kernel, no epilogue", time_ms(lambda: rm.matmul(x, w_fc, False, cfg)), cfg)
-            record("expand", "kernel + ReLU^2 epilogue", time_ms(lambda: rm.relu2_linear(x, w_fc, cfg)), cfg)
-            record("dgrad", "kernel, no epilogue", time_ms(lambda: rm.matmul(dy, w_proj, True, cfg)), cfg)
+            record("expand", "kernel, no epilogue", cuda_ms(lambda: rm.matmul(x, w_fc, False, cfg)), cfg)
+            record("expand", "kernel + ReLU^2 epilogue", cuda_ms(lambda: rm.relu2_linear(x, w_fc, cfg)), cfg)
+            record("dgrad", "kernel, no epilogue", cuda_ms(lambda: rm.matmul(dy, w_proj, True, cfg)), cfg)
             record("dgrad", "kernel + derivative epilogue",
-                   time_ms(lambda: rm.relu2_dgrad(dy, w_proj, post, cfg)), cfg)
+                   cuda_ms(lambda: rm.relu2_dgrad(dy, w_proj, post, cfg)), cfg)
         except Exception as exc:  # a configuration that does not fit the chip's shared memory, say
             rows.append({"op": "both", "impl": "failed", "config": cfg.__dict__, "error": str(exc)[:300]})
 
@@ -127,7 +116,7 @@ def main() -> int:
             with torch.autocast("cuda", torch.bfloat16):
                 y = fn(xs, w1, w2)
             y.backward(g)
-        whole[name] = time_ms(step)
+        whole[name] = cuda_ms(step)
     result = {"shape": {"tokens": M, "width": d, "hidden": m}, "rows": rows, "bf16_rel_err": errors,
               "mlp_fwd_bwd_ms": whole, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     (out / "relu2_mlp.json").write_text(json.dumps(result, indent=2))

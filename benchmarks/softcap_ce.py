@@ -18,23 +18,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from creditlab import kernels  # noqa: E402
 from creditlab.loss import softcap_ce_rows as torch_rows  # noqa: E402
+from creditlab.runtime import cuda_ms  # noqa: E402
 
 # (columns per step, warps, hardware tanh); 16,384 columns take a whole seed-vocabulary row per step.
 CONFIGS = [(16384, 16, True), (16384, 16, False), (4096, 8, True), (2048, 8, True), (2048, 4, True),
            (1024, 8, True), (1024, 4, True), (1024, 2, True), (1024, 4, False), (512, 4, True), (512, 2, True),
            (256, 2, True)]
 
-
-def time_ms(fn, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) / reps
 
 
 def main() -> int:
@@ -55,14 +45,14 @@ def main() -> int:
     ref_rows, ref_grad = torch_rows(logits, targets, args.vocab, cap, scale)
     results = []
     compiled = torch.compile(torch_rows)
-    ms = time_ms(lambda: compiled(logits, targets, args.vocab, cap, scale))
+    ms = cuda_ms(lambda: compiled(logits, targets, args.vocab, cap, scale), 20, warmup=1)
     results.append({"impl": "torch.compile", "ms": ms, "TB_per_s": gbytes / ms})
     for block, warps, fast in CONFIGS:
         run = lambda: kernels.softcap_ce_rows(logits, targets, args.vocab, cap, scale, block, warps,  # noqa: E731
                                               fast)
         rows, grad = run()
         err = ((grad.float() - ref_grad.float()).abs().max() / ref_grad.float().abs().max()).item()
-        ms = time_ms(run)
+        ms = cuda_ms(run, 20, warmup=1)
         results.append({"impl": f"triton block {block} warps {warps} fast_tanh {int(fast)}", "ms": ms, "TB_per_s": gbytes / ms,
                         "grad_rel_err": err, "loss_rel_err": ((rows - ref_rows).abs() / ref_rows).max().item()})
     out = Path(args.out)

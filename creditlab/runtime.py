@@ -141,21 +141,30 @@ def reset_peak_memory(runtime: Runtime) -> None:
         torch.cuda.reset_peak_memory_stats(runtime.device)
 
 
+def cuda_ms(fn, repeats: int = 30, warmup: int = 3) -> float:
+    """Mean milliseconds of fn() on the current CUDA device, timed by events around `repeats` calls after
+    `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
 def measure_matmul_tflops(runtime: Runtime, size: int = 8192, repeats: int = 10) -> float | None:
     """The bf16 matrix rate of this GPU on random data, for MFU; None on the CPU."""
     if not runtime.is_cuda:
         return None
     a = torch.randn(size, size, device=runtime.device, dtype=torch.bfloat16)
     b = torch.randn(size, size, device=runtime.device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        a @ b
-    end.record()
-    torch.cuda.synchronize(runtime.device)
-    return 2 * size**3 * repeats / (start.elapsed_time(end) / 1e3) / 1e12
+    with torch.cuda.device(runtime.device):
+        ms = cuda_ms(lambda: a @ b, repeats)
+    return 2 * size**3 / (ms / 1e3) / 1e12
 
 
 def environment(runtime: Runtime | None = None) -> dict:

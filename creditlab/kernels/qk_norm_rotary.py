@@ -28,18 +28,26 @@ BACKWARD_ROWS, BACKWARD_WARPS = 16, 4
 if triton is not None:
 
     @triton.jit
+    def _block(cos, sin, tokens, T, H: tl.constexpr, HD: tl.constexpr, ROWS: tl.constexpr):
+        """This program's tokens and head: rows, their mask, the half-row columns, the rotation's cos and sin at
+        their positions, and the offsets of the head's first half in a (tokens, heads, head_dim) tensor."""
+        HALF: tl.constexpr = HD // 2
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        valid = rows < tokens
+        cols = tl.arange(0, HALF)
+        pos = (rows % T)[:, None] * HALF + cols[None, :]
+        c = tl.load(cos + pos, mask=valid[:, None], other=1.0)  # 1, not 0: the backward divides by c^2 + s^2
+        s = tl.load(sin + pos, mask=valid[:, None], other=0.0)
+        out_at = rows[:, None] * (H * HD) + tl.program_id(1) * HD + cols[None, :]
+        return rows, valid, cols, c, s, out_at
+
+    @triton.jit
     def _forward(qkv, q_out, k_out, v_out, scale_out, cos, sin, tokens, T, H: tl.constexpr, HD: tl.constexpr,
                  eps, ROWS: tl.constexpr):
         HALF: tl.constexpr = HD // 2
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        head = tl.program_id(1)
-        valid = rows < tokens
-        cols = tl.arange(0, HALF)
+        rows, valid, cols, c, s, out_at = _block(cos, sin, tokens, T, H, HD, ROWS)
         width = H * HD
-        pos = (rows % T)[:, None] * HALF + cols[None, :]
-        c = tl.load(cos + pos, mask=valid[:, None], other=1.0)
-        s = tl.load(sin + pos, mask=valid[:, None], other=0.0)
-        out_at = rows[:, None] * width + head * HD + cols[None, :]
+        head = tl.program_id(1)
         for part in tl.static_range(2):  # q, then k
             at = rows[:, None] * (3 * width) + part * width + head * HD + cols[None, :]
             x1 = tl.load(qkv + at, mask=valid[:, None], other=0.0).to(tl.float32)
@@ -62,15 +70,9 @@ if triton is not None:
     def _backward(dq, dk, dv, q_out, k_out, scales, cos, sin, dqkv, tokens, T, H: tl.constexpr,
                   HD: tl.constexpr, ROWS: tl.constexpr):
         HALF: tl.constexpr = HD // 2
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        head = tl.program_id(1)
-        valid = rows < tokens
-        cols = tl.arange(0, HALF)
+        rows, valid, cols, c, s, out_at = _block(cos, sin, tokens, T, H, HD, ROWS)
         width = H * HD
-        pos = (rows % T)[:, None] * HALF + cols[None, :]
-        c = tl.load(cos + pos, mask=valid[:, None], other=1.0)
-        s = tl.load(sin + pos, mask=valid[:, None], other=0.0)
-        out_at = rows[:, None] * width + head * HD + cols[None, :]
+        head = tl.program_id(1)
         for part in tl.static_range(2):
             if part == 0:
                 grad = dq
