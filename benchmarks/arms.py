@@ -290,14 +290,27 @@ def _tflops(value: float | None) -> str:
     return "not measured" if value is None else f"{value:.0f} TFLOP/s"
 
 
+def paired_ms(rows: list[dict], base_rows: list[dict], window: int = 6) -> tuple[float, float, float] | None:
+    """Median, least and largest of the per-round differences rows - base_rows (ms) over the last `window`
+    rounds: with the arms interleaved, round r of every arm ran within seconds of the others, so the difference
+    carries less of the card's drift than the difference of two medians. None if the arms ran different rounds."""
+    if len(rows) != len(base_rows) or len(rows) < window:
+        return None
+    diffs = [1e3 * (a["seconds"] - b["seconds"]) for a, b in zip(rows[-window:], base_rows[-window:])]
+    return statistics.median(diffs), min(diffs), max(diffs)
+
+
 def markdown(results: list[dict], meta: dict) -> str:
     base = results[0]["median_last6_s"]
+    paired = meta["schedule"] == "interleaved"
     lines = [f"GPU: {meta['env'].get('gpu')}, torch {meta['env']['torch']}, CUDA {meta['env']['cuda']}, "
              f"driver {meta['env'].get('driver')}; bf16 matmul rate measured in this run: "
              f"{_tflops(meta['matmul_tflops'])}; {meta['updates']} updates per arm, last-six medians; "
              f"{SCHEDULES[meta['schedule']]}",
              "", "| arm | s/update | ratio vs " + results[0]["arm"] + " | tokens/s | MFU | peak alloc MiB | "
-             "peak reserved MiB | first update s | last loss |", "|---|---|---|---|---|---|---|---|---|"]
+             "peak reserved MiB | first update s | last loss |" + (" paired ms vs " + results[0]["arm"] +
+                                                                 " (median, range) |" if paired else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if paired else "")]
     notes = []
     for r in results:
         mfu = f"{100 * r['median_last6_mfu']:.1f}%" if r["median_last6_mfu"] is not None else "-"
@@ -309,9 +322,16 @@ def markdown(results: list[dict], meta: dict) -> str:
             notes.append(f"{r['arm']}: s/update is one cycle's mean, (median teacher {r['cycle_teacher_s']:.4f} + "
                          f"{r['cycle_every'] - 1} x median synthetic {r['cycle_synthetic_s']:.4f}) / "
                          f"{r['cycle_every']}, over the updates after the first cycle.")
-        lines.append(f"| {r['arm']} | {seconds:.4f} | {seconds / base:.4f} | "
-                     f"{tokens_per_s:,.0f} | {mfu} | {r['peak_allocated_mib']:,.0f} | "
-                     f"{_mib(r['peak_reserved_mib'])} | {r['first_update_s']:.1f} | {r['loss_last']:.4f} |")
+        line = (f"| {r['arm']} | {seconds:.4f} | {seconds / base:.4f} | "
+                f"{tokens_per_s:,.0f} | {mfu} | {r['peak_allocated_mib']:,.0f} | "
+                f"{_mib(r['peak_reserved_mib'])} | {r['first_update_s']:.1f} | {r['loss_last']:.4f} |")
+        if paired:
+            diff = None if "cycle_s" in r or r is results[0] else paired_ms(r["rows"], results[0]["rows"])
+            line += " - |" if diff is None else f" {diff[0]:+.1f} ({diff[1]:+.1f} .. {diff[2]:+.1f}) |"
+        lines.append(line)
+    if paired:
+        notes.append("paired ms: per round, the arm's update time minus the first arm's in the same round, over the "
+                     "last six rounds (a cycle mixes kinds of update and has none).")
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 

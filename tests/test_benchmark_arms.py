@@ -64,3 +64,12 @@ def test_kernel_table_classifies_a_profile_and_accounts_for_its_busy_time():
     assert read["by_class"]["fused MLP products (Triton)"] > 30 and "ReLU^2 (plain MLP)" not in read["by_class"]
     assert kernel_table.classify("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "products (cuBLAS)"
     assert kernel_table.classify("triton_red_fused__to_copy_add_cat_div_expand_mul_neg_pow") == "QK-norm + rotary"
+
+
+def test_paired_differences_are_taken_round_by_round():
+    arms = load("arms")
+    base = [{"seconds": s} for s in (9, 9, 0.30, 0.40, 0.30, 0.40, 0.30, 0.40)]
+    arm = [{"seconds": s} for s in (9, 9, 0.29, 0.39, 0.29, 0.39, 0.29, 0.41)]  # 10 ms faster but in the last round
+    median, lo, hi = arms.paired_ms(arm, base)
+    assert median == pytest.approx(-10.0) and lo == pytest.approx(-10.0) and hi == pytest.approx(10.0)
+    assert arms.paired_ms(arm[:-1], base) is None  # not the same rounds
