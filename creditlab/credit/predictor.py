@@ -126,16 +126,16 @@ class _CodeTap(torch.autograd.Function):
 
 
 class _GatedAdjoint(torch.autograd.Function):
-    """g * (n D) with the state gate g = sigmoid(n G^T): gate and code from one product of the branch input
-    (one read of n instead of two). Its backward is the branch's decode, (grad * g) D^T."""
+    """The branch's share of the adjoint, g * (n D) with the state gate g = sigmoid(n G^T), as far as autograd
+    sees it: its backward is the branch's decode, (grad * g) D^T. Its forward value is never read (the tap,
+    _CodeTap, passes x_L through and uses only the gradient path of the summed shares), so the forward computes
+    the gate alone and returns zeros of the share's shape: n D is never formed."""
 
     @staticmethod
     def forward(ctx, n, gate_weight, decoder):
-        both = n @ torch.cat([gate_weight.t(), decoder], dim=1).to(n.dtype)  # (B, T, 4r)
-        gate_pre, coded = both.chunk(2, dim=-1)
-        gate = torch.sigmoid(gate_pre)
+        gate = torch.sigmoid(n @ gate_weight.t().to(n.dtype))  # (B, T, 2r)
         ctx.save_for_backward(gate, decoder)
-        return gate * coded
+        return torch.zeros_like(gate)
 
     @staticmethod
     def backward(ctx, grad):
