@@ -279,3 +279,18 @@ def test_the_model_compiles_to_one_graph(mlp, qk):
         torch._dynamo.reset()
         explained = torch._dynamo.explain(model)(idx, idx, credit=credit)
         assert explained.graph_break_count == 0, explained.break_reasons
+
+
+def test_the_fused_modules_operators_declare_their_outputs_truthfully():
+    # what the compiler is told of each operator (its fake implementation) is what the operator returns
+    from creditlab import qk_norm, relu2
+
+    g = torch.Generator().manual_seed(0)
+    x, w, w_kn = torch.randn(6, 8, generator=g), torch.randn(10, 8, generator=g), torch.randn(8, 10, generator=g)
+    qkv, cos, sin = torch.randn(2, 3, 24, generator=g), torch.randn(5, 2, generator=g), torch.randn(5, 2, generator=g)
+    q, k, v, scales = qk_norm.forward_op(qkv, cos, sin, 2)
+    cases = [(relu2.relu2_linear, (x, w)), (relu2.relu2_dgrad, (x, w_kn, relu2.relu2_linear(x, w_kn.t()))),
+             (qk_norm.forward_op, (qkv, cos, sin, 2)), (qk_norm.backward_op, (q, k, v, q, k, scales, cos, sin))]
+    for op, args in cases:
+        result = torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+        assert all(v == "SUCCESS" for v in result.values()), (op, result)
