@@ -45,7 +45,7 @@ def main() -> int:
     qkv = torch.randn(B, T, 3 * H * hd, device="cuda").bfloat16().requires_grad_(True)
     grads = [torch.randn(B, T, H, hd, device="cuda").bfloat16() for _ in range(3)]
 
-    def plain(qkv):  # the model's op-by-op path (Attention.qk_norm_rotary)
+    def plain(qkv):  # the model's op-by-op path (Attention.plain_qk_norm_rotary)
         q, k, v = qkv.view(B, T, 3, H, hd).unbind(2)
         return rot(norm(q)), rot(norm(k)), v
 

@@ -4,7 +4,8 @@ Read it top to bottom. Each block has two *branches*, attention and MLP; each re
 residual stream. The products the synthetic backward omits are the ones the credit context computes,
 `credit.product(b, credit.branch(b, n), W)`: the Q/K/V projection of attention and the expansion of the MLP
 (which, fused, also applies ReLU^2: relu2.py). Everything else in a branch (the attention gate, the value
-embeddings, the output projections) reads `n` itself and stays exact. The residual stream
+embeddings, the output projections) reads `n` itself and stays exact. QK-norm and rotary run as one operation
+on the Q/K/V product's output (qk_norm.py) unless model.qk=plain. The residual stream
 entering the final norm passes `credit.terminal(x)`: the tap where the terminal error appears in backward;
 `credit.finish(loss)` may add exactly-zero terms that carry injected corrections (credit/sources.py).
 """
@@ -96,7 +97,7 @@ class Attention(nn.Module):
         self.recompute = "qk" in cfg.recompute_parts
         self.fused_qk = cfg.qk == "fused"  # QK-norm and rotary in one pass each way (qk_norm.py)
 
-    def qk_norm_rotary(self, q: torch.Tensor, k: torch.Tensor):
+    def plain_qk_norm_rotary(self, q: torch.Tensor, k: torch.Tensor):
         return self.rotary(norm(q)), self.rotary(norm(k))
 
     def forward(self, n: torch.Tensor, qkv: torch.Tensor, ve: torch.Tensor | None) -> torch.Tensor:
@@ -106,7 +107,7 @@ class Attention(nn.Module):
             q, k, v = qk_norm_rotary(qkv, self.rotary.cos, self.rotary.sin, self.heads)
         else:
             q, k, v = qkv.view(B, T, 3, self.heads, self.head_dim).unbind(2)
-            q, k = recomputed(self.recompute, self.qk_norm_rotary, q, k)  # QK-norm, then rotary positions
+            q, k = recomputed(self.recompute, self.plain_qk_norm_rotary, q, k)  # QK-norm, then rotary positions
         if ve is not None:
             v = self.value_mix[0] * v + self.value_mix[1] * ve.view_as(v)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),

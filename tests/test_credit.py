@@ -558,11 +558,10 @@ def test_fitted_sources_train_the_same_through_the_compiler(name, fit, monkeypat
     assert any(p.abs().max() > 0 for k, p in params[True].items() if k.endswith("decoders"))
 
 
-@pytest.mark.parametrize("name, qk", [("exact", "plain"), ("zero", "plain"), ("learned", "plain"),
-                                      ("learned", "fused")])
+@pytest.mark.parametrize("name, qk", [("learned", "plain"), ("learned", "fused")])
 def test_the_fused_modules_train_the_same_through_the_compiler(name, qk, monkeypatch):
-    """The fused MLP's and QK-norm's Functions (relu2.py, qk_norm.py) through the compiler, teacher and synthetic
-    micro-batches. Three updates: the compiled backward may sum a gradient's contributions in another order than
+    """The fused MLP's and QK-norm's Functions (relu2.py, qk_norm.py) through the compiler, in teacher (exact) and
+    synthetic (omitting) micro-batches. Three updates: the compiled backward may sum a gradient's contributions in another order than
     the eager engine, and from the fourth update on Muon grows that last-bit difference past the tolerance."""
     rows, _, _ = train_eager_and_compiled(["model.vocab_size=97", f"credit.source={name}", "train.updates=3",
                                            "credit.teacher_every=2", "model.mlp=fused", f"model.qk={qk}"],
