@@ -44,6 +44,7 @@ ARMS = {
     "zero": ["credit.source=zero"],
     "learned": ["credit.source=learned", "credit.teacher_every=0"],
     "learned_materialized": ["credit.source=learned", "credit.teacher_every=0", "credit.materialized=true"],
+    "learned_fused_decode": ["credit.source=learned", "credit.teacher_every=0", "credit.decode=fused"],
     "teacher": ["credit.source=learned", "credit.teacher_every=1"],
     "cycle": ["credit.source=learned", "credit.teacher_every=4"],  # the trained schedule: one teacher in four
     "dfa": ["credit.source=dfa"],

@@ -74,6 +74,9 @@ class CreditConfig:
     # Which updates are exact (credit/schedules.py): fixed | fixed:K | never | warmup:N[,K] | adaptive[:A,B].
     schedule: str = "fixed"
     materialized: bool = False  # decode every correction at the tap (to measure what streaming saves)
+    # streaming only: fused decodes each branch's correction inside its norm's backward (kernels/norm_decode.py,
+    # Triton on CUDA); plain decodes it in a product of its own, then autograd adds it to the norm's input
+    decode: str = "plain"
     predictor_lr: float = 1e-2  # held-out fit after 150 teacher steps (tiny): 3e-3 0.82, 1e-2 0.78, 3e-2 0.77, 1e-1 0.81
     # The teacher's fit products over (B, T, d): "auto" runs them in the gradient's dtype (bf16 under autocast,
     # with float32 sums); "float32" always in float32 or better.
@@ -96,7 +99,7 @@ class CreditConfig:
 
 
 RECOMPUTE_PARTS = ("norm", "qk", "mlp")
-MLPS = ("fused", "plain")  # also the choices of model.qk
+MLPS = ("fused", "plain")  # also the choices of model.qk and credit.decode
 FITS = ("adam", "lstsq")
 DFA_SCALES = ("none", "calibrated")
 
@@ -371,6 +374,8 @@ def validate(cfg: Config) -> None:
             if c.schedule.startswith("adaptive") and not source.fits_with(cfg):
                 problems.append(f"credit.schedule={c.schedule}: adapts to the fit measured on teacher updates, and "
                                 f"credit.source={c.source} fits nothing; use fixed:K or warmup:N,K")
+    if c.decode not in MLPS:
+        problems.append(f"credit.decode must be one of {'|'.join(MLPS)}, got {c.decode!r}")
     if c.fit_precision not in ("auto", "float32"):
         problems.append(f"credit.fit_precision must be auto|float32, got {c.fit_precision!r}")
     if c.teacher_every < 0:

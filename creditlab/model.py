@@ -1,13 +1,15 @@
 """The GPT: a causal decoder in the style of the 2025 modded-nanogpt records, scaled to d8/w512.
 
 Read it top to bottom. Each block has two *branches*, attention and MLP; each reads `n = norm(x)` from the
-residual stream. The products the synthetic backward omits are the ones the credit context computes,
-`credit.product(b, credit.branch(b, n), W)`: the Q/K/V projection of attention and the expansion of the MLP
-(which, fused, also applies ReLU^2: relu2.py). Everything else in a branch (the attention gate, the value
-embeddings, the output projections) reads `n` itself and stays exact. QK-norm and rotary run as one operation
-on the Q/K/V product's output (qk_norm.py) unless model.qk=plain. The residual stream
-entering the final norm passes `credit.terminal(x)`: the tap where the terminal error appears in backward;
-`credit.finish(loss)` may add exactly-zero terms that carry injected corrections (credit/sources.py).
+residual stream, taken through the credit context: `n, n_b = credit.normed_branch(b, x, norm)`, where n_b
+(`credit.branch(b, n)` unless the source fuses its work into the norm) is what the omitted product reads. The
+products the synthetic backward omits are the ones the credit context computes, `credit.product(b, n_b, W)`:
+the Q/K/V projection of attention and the expansion of the MLP (which, fused, also applies ReLU^2: relu2.py).
+Everything else in a branch (the attention gate, the value embeddings, the output projections) reads `n` itself
+and stays exact. QK-norm and rotary run as one operation on the Q/K/V product's output (qk_norm.py) unless
+model.qk=plain. The residual stream entering the final norm passes `credit.terminal(x)`: the tap where the
+terminal error appears in backward; `credit.finish(loss)` may add exactly-zero terms that carry injected
+corrections (credit/sources.py).
 """
 
 from __future__ import annotations
@@ -44,6 +46,13 @@ def recomputed(enabled: bool, fn, *args):
 
 class ExactCredit:
     """Native backprop: nothing omitted, nothing injected. Credit sources subclass this (credit/sources.py)."""
+
+    def normed_branch(self, index: int, x: torch.Tensor, norm_fn) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n, what branch `index`'s omitted product reads) for the residual stream x: n = norm_fn(x), then
+        `branch`. A source may fuse its own work on the branch input into the norm (the learned source decodes
+        its correction inside the norm's backward)."""
+        n = norm_fn(x)
+        return n, self.branch(index, n)
 
     def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
         return n
@@ -150,13 +159,16 @@ class Block(nn.Module):
         self.resid_mix = nn.Parameter(torch.tensor([1.0, 0.0]))  # x <- a*x + b*x0
         self.recompute = "norm" in cfg.recompute_parts
 
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        return recomputed(self.recompute, norm, x)
+
     def forward(self, x, x0, ve, credit: ExactCredit):
         x = self.resid_mix[0] * x + self.resid_mix[1] * x0
-        n = recomputed(self.recompute, norm, x)
         a, m = 2 * self.index, 2 * self.index + 1  # the block's branches
-        x = x + self.attn(n, credit.product(a, credit.branch(a, n), self.attn.qkv.weight), ve)
-        n = recomputed(self.recompute, norm, x)
-        x = x + self.mlp(credit.product(m, credit.branch(m, n), self.mlp.fc.weight, self.mlp.activation))
+        n, n_omitted = credit.normed_branch(a, x, self.norm)
+        x = x + self.attn(n, credit.product(a, n_omitted, self.attn.qkv.weight), ve)
+        n, n_omitted = credit.normed_branch(m, x, self.norm)
+        x = x + self.mlp(credit.product(m, n_omitted, self.mlp.fc.weight, self.mlp.activation))
         return x
 
 

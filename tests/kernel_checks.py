@@ -204,8 +204,34 @@ def qk_norm_rotary_errors(B, T, heads, hd, seed=0, wrong_eps=False):
             "all_written": bool(not any(t.isnan().any() for t in (q, k, v, scales, dqkv)))}
 
 
+def norm_decode_errors(tokens, d, r2, with_dn, seed=0, drop_decode=False):
+    """The norm backward with the decode inside (kernels/norm_decode.py) on fresh random float32 inputs, into a
+    NaN-poisoned output, against float64 autograd of model.norm with the correction added to dL/dn; tokens not a
+    multiple of the kernel's rows. `drop_decode` compares against a reference without the correction."""
+    from creditlab.kernels import norm_decode
+    from creditlab.model import norm
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, d, generator=g) * 2
+    code, gate = torch.randn(tokens, r2, generator=g), torch.rand(tokens, r2, generator=g)
+    decoder = torch.randn(d, r2, generator=g) * 0.1
+    dn = torch.randn(tokens, d, generator=g) if with_dn else None
+    x64 = x.double().requires_grad_(True)
+    n64 = norm(x64)
+    scale = torch.rsqrt(x.double().square().mean(-1) + 1e-6).float()
+    c = (code.double() * gate.double()) @ decoder.double().t()
+    upstream = (0 if drop_decode else c) + (dn.double() if with_dn else 0)
+    ref = torch.autograd.grad(n64, x64, upstream)[0]
+    got = norm_decode.norm_decode_backward(dn, norm(x), scale, code, gate, decoder,
+                                           out=torch.full((tokens, d), float("nan")))
+    return {"dx": ((got.double() - ref).abs().max() / ref.abs().max()).item(), "all_written": bool(not got.isnan().any())}
+
+
 if __name__ == "__main__":
     report = {
+        "norm_decode_with_dn": norm_decode_errors(70, 64, 16, True),
+        "norm_decode_without_dn": norm_decode_errors(33, 32, 32, False, seed=1),
+        "norm_decode_dropped": norm_decode_errors(70, 64, 16, True, drop_decode=True),
         "qk_even": qk_norm_rotary_errors(2, 32, 2, 16),
         "qk_partial_rows": qk_norm_rotary_errors(1, 37, 3, 8, seed=1),
         "qk_wrong_eps": qk_norm_rotary_errors(2, 32, 2, 16, wrong_eps=True),

@@ -20,7 +20,7 @@ from creditlab.credit.sources import InjectCredit, OmitCredit, RecordCredit, Zer
 from creditlab.credit.teacher import LearnedTeacher
 from creditlab.data import SyntheticLoader
 from creditlab.flops import flop_budget
-from creditlab.model import ExactCredit
+from creditlab.model import ExactCredit, GPT
 from creditlab.train import Trainer
 
 SMALL = checks.seed_structure()  # 8 layers, 16 branches, every parameter kind
@@ -567,3 +567,40 @@ def test_the_fused_modules_train_the_same_through_the_compiler(name, qk, monkeyp
                                            "credit.teacher_every=2", "model.mlp=fused", f"model.qk={qk}"],
                                           monkeypatch)
     assert len(rows) == 3
+
+
+@pytest.mark.parametrize("source", [LearnedSource, TypedSource])
+def test_the_decode_inside_the_norm_backward_gives_the_streaming_gradients(source):
+    """credit.decode=fused (the correction decoded inside the branch norm's backward) against the plain streaming
+    injection, float64: every trunk gradient to 1e-12, with corrections that matter (zero is far off)."""
+    from creditlab.credit.predictor import FusedDecodeCredit
+
+    model = checks.randomized_model(SMALL, 0)
+    idx, targets = checks._batch(SMALL, 0)
+    grads = {}
+    for decode in ("plain", "fused"):
+        src = source(SMALL, CreditConfig(rank=8, decode=decode)).double()
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for p in src.parameters():
+                p.normal_(0.0, 0.3)
+        credit = src.step()
+        assert isinstance(credit, FusedDecodeCredit) == (decode == "fused")
+        grads[decode] = checks._trunk_grads(model, idx, targets, credit)
+    assert max(checks._rel_errors(grads["fused"], grads["plain"]).values()) < 1e-12
+    zero = checks._trunk_grads(model, idx, targets, ZeroSource().step())
+    assert max(checks._rel_errors(zero, grads["plain"]).values()) > 1e-3
+    assert CreditConfig().decode == "plain"  # the default, until measured on the GPU
+
+
+def test_the_decode_inside_the_norm_compiles_to_one_graph_and_trains_as_eager(monkeypatch):
+    cfg = load("tiny", ["model.vocab_size=97", "credit.source=learned", "credit.decode=fused"])
+    source = make_source(cfg)
+    model = GPT(cfg.model)
+    idx = torch.randint(0, 97, (2, 16))
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(idx, idx, credit=source.step())
+    assert explained.graph_break_count == 0, explained.break_reasons
+    rows, _, _ = train_eager_and_compiled(["model.vocab_size=97", "credit.source=learned", "train.updates=3",
+                                           "credit.teacher_every=2", "credit.decode=fused"], monkeypatch)
+    assert [r.kind for r in rows] == ["teacher", "synthetic", "teacher"]

@@ -84,3 +84,13 @@ def test_qk_norm_rotary_kernels_match_the_float64_model_and_write_every_element(
 def test_the_qk_comparison_fails_for_another_epsilon(report):
     r = report["qk_wrong_eps"]  # the kernel's norm at eps 1e-2 against the model's 1e-6
     assert min(r["q"], r["k"], r["dqkv"]) > 1e-4, r
+
+
+@pytest.mark.parametrize("case", ["norm_decode_with_dn", "norm_decode_without_dn"])
+def test_norm_backward_with_the_decode_inside_matches_float64_autograd(report, case):
+    r = report[case]
+    assert r["all_written"] and r["dx"] < 1e-5, r  # float32 arithmetic, n read back in float32
+
+
+def test_the_norm_decode_comparison_fails_without_the_correction(report):
+    assert report["norm_decode_dropped"]["dx"] > 1e-2, report["norm_decode_dropped"]

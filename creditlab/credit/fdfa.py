@@ -56,7 +56,7 @@ from creditlab.config import Config, CreditConfig
 from creditlab.credit.feedback import FeedbackCredit, MeasuredFeedback
 from creditlab.credit.sources import FittedSource
 from creditlab.credit.teacher import _fit_dtypes, wide_product
-from creditlab.model import MLP, Attention, ExactCredit, GPT
+from creditlab.model import Attention, ExactCredit, GPT, MLP
 
 
 def rademacher(shape, seed: int, device, dtype=torch.float32) -> torch.Tensor:

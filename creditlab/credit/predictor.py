@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from creditlab.config import Config, CreditConfig, ModelConfig
+from creditlab.kernels import norm_decode as norm_decode_kernel
 from creditlab.credit.sources import AdjointCredit, FittedSource, OmitCredit
 from creditlab.credit.teacher import LearnedTeacher
 from creditlab.model import ExactCredit, branch_kind, norm
@@ -98,6 +99,11 @@ class Predictor(nn.Module):
         """g_b * (n_b D_b): the branch's share of the adjoint, (B, T, code_width). Only n carries gradient."""
         return self.widen(b, _GatedAdjoint.apply(n, self.state_gates[b].detach(), self.decoders[b].detach()))
 
+    def normed_adjoint(self, b: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x), the branch's share of the adjoint) with the share's decode inside the norm's backward."""
+        n, share = _NormGatedAdjoint.apply(x, self.state_gates[b].detach(), self.decoders[b].detach())
+        return n, self.widen(b, share)
+
     def tap(self, x_terminal: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
         """x_L unchanged, carrying the adjoint term for the branches' summed shares `total` (B, T, code_width).
 
@@ -143,6 +149,66 @@ class _GatedAdjoint(torch.autograd.Function):
         return (grad * gate) @ decoder.t().to(grad.dtype), None, None
 
 
+@torch.library.custom_op("creditlab::norm_decode_backward", mutates_args=())
+def norm_decode_backward(dn: torch.Tensor | None, n: torch.Tensor, scale: torch.Tensor, code: torch.Tensor,
+                         gate: torch.Tensor, decoder: torch.Tensor) -> torch.Tensor:
+    """dL/dx of n = norm(x) for dL/dn = dn + (code * gate) D^T (dn None: n has no exact use). Rows of tokens;
+    scale (tokens,) = 1 / rms(x); decoder D (d, 2r)."""
+    if norm_decode_kernel.takes(n, code):
+        return norm_decode_kernel.norm_decode_backward(dn, n, scale, code, gate, decoder)
+    acc = torch.promote_types(n.dtype, torch.float32)
+    grad = ((code * gate) @ decoder.to(code.dtype).t()).to(acc)
+    if dn is not None:
+        grad = grad + dn.to(acc)
+    mean = (grad * n.to(acc)).mean(-1, keepdim=True)
+    return (scale[:, None] * (grad - n.to(acc) * mean)).to(n.dtype)
+
+
+@norm_decode_backward.register_fake
+def _(dn, n, scale, code, gate, decoder):
+    return torch.empty_like(n)
+
+
+class _NormGatedAdjoint(torch.autograd.Function):
+    """n = norm(x) (model.norm's arithmetic) and the branch's share of the adjoint as _GatedAdjoint gives it
+    (zeros of its shape: the value is never read), whose backward, the decode (code * g) D^T, is added to dL/dn
+    inside the norm's backward: the correction is never written out (`credit.decode=fused`)."""
+
+    @staticmethod
+    def forward(ctx, x, gate_weight, decoder):
+        ctx.set_materialize_grads(False)  # an MLP branch's n has no exact use: no zero gradient to read
+        x32 = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+        scale = torch.rsqrt(x32.square().mean(-1, keepdim=True) + 1e-6)
+        n = (x32 * scale).to(x.dtype)
+        gate = torch.sigmoid(n @ gate_weight.t().to(n.dtype))
+        ctx.save_for_backward(n, scale, gate, decoder)
+        return n, torch.zeros_like(gate)
+
+    @staticmethod
+    def backward(ctx, dn, code):
+        n, scale, gate, decoder = ctx.saved_tensors
+        if code is None:  # no correction reached the branch: the plain norm backward
+            code = torch.zeros_like(gate)
+        rows = lambda t: None if t is None else t.reshape(-1, t.shape[-1])  # noqa: E731
+        dx = norm_decode_backward(rows(dn), rows(n), scale.reshape(-1), rows(code.to(gate.dtype)), rows(gate),
+                                  decoder)
+        return dx.view(n.shape), None, None
+
+
+class FusedDecodeCredit(AdjointCredit):
+    """The streaming injection with each branch's decode inside its norm's backward (`credit.decode=fused`). The
+    norm of a branch input is then the source's: the block's `model.recompute=norm` does not reach it."""
+
+    def __init__(self, predictor: "Predictor"):
+        super().__init__(predictor.branch_adjoint, predictor.tap)
+        self.predictor = predictor
+
+    def normed_branch(self, index: int, x: torch.Tensor, norm_fn) -> tuple[torch.Tensor, torch.Tensor]:
+        n, share = self.predictor.normed_adjoint(index, x)
+        self.total = share if self.total is None else self.total + share
+        return n, n.detach()
+
+
 class LearnedSource(FittedSource):
     name, omits = "learned", True
     predictor_class = Predictor
@@ -159,6 +225,8 @@ class LearnedSource(FittedSource):
     def step(self) -> OmitCredit:
         if self.materialized:
             return MaterializedCredit(self.predictor)
+        if self.credit_cfg.decode == "fused":
+            return FusedDecodeCredit(self.predictor)
         return AdjointCredit(self.predictor.branch_adjoint, self.predictor.tap)
 
     def make_teacher(self):
