@@ -72,6 +72,7 @@ MODIFIERS = {
     "plain_mlp": ["model.mlp=plain", "model.recompute=mlp"],  # ReLU^2 op by op, recomputed (the earlier default)
     "fused_qk": ["model.qk=fused"],
     "plain_qk": ["model.qk=plain"],  # QK-norm and rotary op by op (the earlier default)
+    "norm_keeps_output": ["model.norm=keep_output"],
     # the recompute study of benchmarks/native_seed.md, on the plain modules it was made with
     "keep_mlp": ["model.mlp=plain", "model.qk=plain", "model.recompute=norm,qk"],
     "keep_norm": ["model.mlp=plain", "model.qk=plain", "model.recompute=qk,mlp"],

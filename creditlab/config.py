@@ -40,6 +40,9 @@ class ModelConfig:
     # Triton on CUDA), the rotated q and k kept (attention keeps them anyway); plain: op by op (records from
     # before the fused QK-norm read plain).
     qk: str = "fused"
+    # plain: the blocks' norms as autograd records them (keeping their input); keep_output: their backward reads
+    # n and the row scale instead, which the branch's product keeps anyway (model.norm_backward)
+    norm: str = "plain"
 
     @property
     def recompute_parts(self) -> frozenset[str]:
@@ -100,6 +103,7 @@ class CreditConfig:
 
 RECOMPUTE_PARTS = ("norm", "qk", "mlp")
 MLPS = ("fused", "plain")  # also the choices of model.qk and credit.decode
+NORMS = ("plain", "keep_output")
 FITS = ("adam", "lstsq")
 DFA_SCALES = ("none", "calibrated")
 
@@ -327,6 +331,9 @@ def validate(cfg: Config) -> None:
         if m.mlp == "fused" and "mlp" in parts and m.recompute not in ("all", "true"):
             problems.append("model.recompute=mlp: the fused MLP keeps only ReLU^2's output, so there is nothing to "
                             "recompute; drop mlp from model.recompute or set model.mlp=plain")
+        if m.norm == "keep_output" and "norm" in parts and m.recompute not in ("all", "true"):
+            problems.append("model.recompute=norm: with model.norm=keep_output the norms keep nothing of their own "
+                            "to recompute; drop norm from model.recompute or set model.norm=plain")
         if m.qk == "fused" and "qk" in parts and m.recompute not in ("all", "true"):
             problems.append("model.recompute=qk: the fused QK-norm keeps only what attention keeps, so there is "
                             "nothing to recompute; drop qk from model.recompute or set model.qk=plain")
@@ -334,6 +341,8 @@ def validate(cfg: Config) -> None:
         problems.append(f"model.mlp must be one of {'|'.join(MLPS)}, got {m.mlp!r}")
     if m.qk not in MLPS:
         problems.append(f"model.qk must be one of {'|'.join(MLPS)}, got {m.qk!r}")
+    if m.norm not in NORMS:
+        problems.append(f"model.norm must be one of {'|'.join(NORMS)}, got {m.norm!r}")
     if cfg.data.source not in ("synthetic", "shards"):
         problems.append(f"data.source must be synthetic|shards, got {cfg.data.source!r} (shards are read from "
                         f"data.dir; prepare them with `creditlab data prepare`)")

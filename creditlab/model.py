@@ -25,10 +25,38 @@ from creditlab.qk_norm import qk_norm_rotary
 from creditlab.relu2 import expand_relu2, project_relu2
 
 
-def norm(x: torch.Tensor) -> torch.Tensor:
-    """RMSNorm without weights, computed in float32 and returned in x's dtype (autocast would keep float32)."""
+def norm_with_scale(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, s): RMSNorm without weights, n = x s with the row scale s = 1 / rms(x), computed in float32 and n
+    returned in x's dtype (autocast would keep float32)."""
     x32 = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
-    return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+    scale = torch.rsqrt(x32.square().mean(-1, keepdim=True) + 1e-6)
+    return (x32 * scale).to(x.dtype), scale
+
+
+def norm(x: torch.Tensor) -> torch.Tensor:
+    return norm_with_scale(x)[0]
+
+
+def norm_backward(dn: torch.Tensor, n: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """dL/dx of n = norm(x) from dL/dn, n and its row scale: s (dn - n mean(dn * n)), in n's dtype."""
+    acc = torch.promote_types(n.dtype, torch.float32)
+    g, n32 = dn.to(acc), n.to(acc)
+    return (scale * (g - n32 * (g * n32).mean(-1, keepdim=True))).to(n.dtype)
+
+
+class _NormKeepingOutput(torch.autograd.Function):
+    """norm(x) whose backward reads n and the row scale instead of x: a branch's product keeps n anyway (for its
+    weight gradient), so the norm keeps no tensor of its own (`model.norm=keep_output`)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        n, scale = norm_with_scale(x)
+        ctx.save_for_backward(n, scale)
+        return n
+
+    @staticmethod
+    def backward(ctx, dn):
+        return norm_backward(dn, *ctx.saved_tensors)
 
 
 def relu_squared(h: torch.Tensor) -> torch.Tensor:
@@ -158,8 +186,11 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.resid_mix = nn.Parameter(torch.tensor([1.0, 0.0]))  # x <- a*x + b*x0
         self.recompute = "norm" in cfg.recompute_parts
+        self.keep_norm_output = cfg.norm == "keep_output"
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.keep_norm_output:
+            return _NormKeepingOutput.apply(x)
         return recomputed(self.recompute, norm, x)
 
     def forward(self, x, x0, ve, credit: ExactCredit):

@@ -18,8 +18,8 @@ from creditlab.data import SyntheticLoader
 from creditlab.model import ExactCredit
 from creditlab.train import Trainer
 
-# 8 layers, 16 branches, every parameter kind, recompute on, the fused MLP and QK-norm: the pass switches them off
-SMALL = dataclasses.replace(checks.seed_structure(), recompute="norm", mlp="fused", qk="fused")
+# 8 layers, 16 branches, every parameter kind, recompute on, the fused modules: the pass switches them all off
+SMALL = dataclasses.replace(checks.seed_structure(), recompute="norm", mlp="fused", qk="fused", norm="keep_output")
 # Small enough that the exact diagonal Jacobian is one pass per branch and thousands of draws run in a second.
 TINY = ModelConfig(layers=2, width=8, heads=2, mlp_hidden=16, seq_len=4, vocab_size=11, value_embeds=1, gate_dim=4,
                    vocab_pad_multiple=8)
@@ -28,7 +28,8 @@ TINY = ModelConfig(layers=2, width=8, heads=2, mlp_hidden=16, seq_len=4, vocab_s
 def _recompute_flags(model) -> list:
     return ([m.recompute for m in model.modules() if hasattr(m, "recompute")] +
             [m.activation for m in model.modules() if hasattr(m, "activation")] +
-            [("qk", m.fused_qk) for m in model.modules() if hasattr(m, "fused_qk")])
+            [("qk", m.fused_qk) for m in model.modules() if hasattr(m, "fused_qk")] +
+            [("norm", m.keep_norm_output) for m in model.modules() if hasattr(m, "keep_norm_output")])
 
 
 def _terminal_error_and_corrections(model, idx, e):
@@ -43,7 +44,7 @@ def test_forward_mode_derivative_is_the_adjoint_of_the_true_corrections():
     at all of them (float64, recompute on: the pass must turn it off and back on)."""
     model = checks.randomized_model(SMALL, 0)
     flags = _recompute_flags(model)
-    assert True in flags and "relu2" in flags and ("qk", True) in flags
+    assert True in flags and "relu2" in flags and ("qk", True) in flags and ("norm", True) in flags
     idx, _ = checks._batch(SMALL, 0)
     g = torch.Generator().manual_seed(1)
     shape = (*idx.shape, SMALL.width)

@@ -265,13 +265,14 @@ def test_the_upcast_scan_flags_square():
     assert _upcast_by_cuda_autocast(relu_squared, h) == []
 
 
-@pytest.mark.parametrize("mlp, qk", [("fused", "plain"), ("plain", "plain"), ("fused", "fused")])
-def test_the_model_compiles_to_one_graph(mlp, qk):
+@pytest.mark.parametrize("mlp, qk, norm", [("fused", "plain", "plain"), ("plain", "plain", "plain"),
+                                          ("fused", "fused", "plain"), ("fused", "fused", "keep_output")])
+def test_the_model_compiles_to_one_graph(mlp, qk, norm):
     # A graph break splits the compiled step and stops fusion across it (a custom `jvp` on the fused MLP's
     # Functions once broke the graph at every MLP: 3,772 kernels per seed update instead of about 3,200).
     from creditlab.credit.sources import OmitCredit
 
-    cfg = config.load("tiny", ["model.vocab_size=97", f"model.mlp={mlp}", f"model.qk={qk}"] +
+    cfg = config.load("tiny", ["model.vocab_size=97", f"model.mlp={mlp}", f"model.qk={qk}", f"model.norm={norm}"] +
                       (["model.recompute=mlp"] if mlp == "plain" else []))
     model = GPT(cfg.model)
     idx = torch.randint(0, 97, (2, 16))

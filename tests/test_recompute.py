@@ -6,8 +6,8 @@ import torch
 from creditlab import checks, config
 
 
-def _saved_bytes_and_grads(cfg, recompute: str, mlp: str = "plain", qk: str = "plain"):
-    cfg.recompute, cfg.mlp, cfg.qk = recompute, mlp, qk
+def _saved_bytes_and_grads(cfg, recompute: str, mlp: str = "plain", qk: str = "plain", norm: str = "plain"):
+    cfg.recompute, cfg.mlp, cfg.qk, cfg.norm = recompute, mlp, qk, norm
     model = checks.randomized_model(cfg, 0)
     idx, targets = checks._batch(cfg, 0)
     saved = []
@@ -61,6 +61,17 @@ def test_the_fused_qk_norm_keeps_less_than_the_plain_one_with_the_same_gradients
         torch.testing.assert_close(grads_fused[name], g, rtol=1e-12, atol=1e-14)
 
 
+def test_norms_keeping_their_output_keep_less_with_the_same_gradients():
+    # float64: model.norm_backward's formula against autograd of model.norm
+    cfg = checks.seed_structure()
+    kept_plain, grads_plain = _saved_bytes_and_grads(cfg, "none", "fused", "fused", "plain")
+    kept_output, grads_output = _saved_bytes_and_grads(cfg, "none", "fused", "fused", "keep_output")
+    idx, _ = checks._batch(cfg, 0)
+    assert kept_plain - kept_output >= cfg.branches * idx.numel() * cfg.width * 8  # at least x per branch
+    for name, g in grads_plain.items():
+        torch.testing.assert_close(grads_output[name], g, rtol=1e-12, atol=1e-14)
+
+
 def test_recompute_spec_errors_name_the_parts():
     for good, parts in (("all", {"norm", "qk", "mlp"}), ("false", set()), ("qk, mlp", {"qk", "mlp"})):
         overrides = [f"model.recompute={good}", "model.mlp=plain", "model.qk=plain"]
@@ -71,6 +82,8 @@ def test_recompute_spec_errors_name_the_parts():
         config.load("tiny", ["model.recompute=qk,mlp"])  # nothing of the fused MLP to recompute
     with pytest.raises(config.ConfigError, match="fused QK-norm keeps only"):
         config.load("tiny", ["model.recompute=qk"])
+    with pytest.raises(config.ConfigError, match="keep nothing of their own"):
+        config.load("tiny", ["model.recompute=norm", "model.norm=keep_output"])
     assert config.load("tiny", ["model.recompute=all"]).model.mlp == "fused"  # all: every part there is
 
 

@@ -25,7 +25,7 @@ from creditlab.config import Config, CreditConfig, ModelConfig
 from creditlab.kernels import norm_decode as norm_decode_kernel
 from creditlab.credit.sources import AdjointCredit, FittedSource, OmitCredit
 from creditlab.credit.teacher import LearnedTeacher
-from creditlab.model import ExactCredit, branch_kind, norm
+from creditlab.model import ExactCredit, branch_kind, norm, norm_backward, norm_with_scale
 
 
 def cumsum(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
@@ -158,10 +158,7 @@ def norm_decode_backward(dn: torch.Tensor | None, n: torch.Tensor, scale: torch.
         return norm_decode_kernel.norm_decode_backward(dn, n, scale, code, gate, decoder)
     acc = torch.promote_types(n.dtype, torch.float32)
     grad = ((code * gate) @ decoder.to(code.dtype).t()).to(acc)
-    if dn is not None:
-        grad = grad + dn.to(acc)
-    mean = (grad * n.to(acc)).mean(-1, keepdim=True)
-    return (scale[:, None] * (grad - n.to(acc) * mean)).to(n.dtype)
+    return norm_backward(grad if dn is None else grad + dn.to(acc), n, scale[:, None])
 
 
 @norm_decode_backward.register_fake
@@ -177,9 +174,7 @@ class _NormGatedAdjoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate_weight, decoder):
         ctx.set_materialize_grads(False)  # an MLP branch's n has no exact use: no zero gradient to read
-        x32 = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
-        scale = torch.rsqrt(x32.square().mean(-1, keepdim=True) + 1e-6)
-        n = (x32 * scale).to(x.dtype)
+        n, scale = norm_with_scale(x)
         gate = torch.sigmoid(n @ gate_weight.t().to(n.dtype))
         ctx.save_for_backward(n, scale, gate, decoder)
         return n, torch.zeros_like(gate)
