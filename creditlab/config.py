@@ -104,6 +104,11 @@ class CreditConfig:
 RECOMPUTE_PARTS = ("norm", "qk", "mlp")
 MLPS = ("fused", "plain")  # also the choices of model.qk and credit.decode
 NORMS = ("plain", "keep_output")
+MODEL_CHOICES = {"mlp": MLPS, "qk": MLPS, "norm": NORMS}
+# (key, value, recompute part, what it keeps): with model.<key>=<value> that part has nothing to recompute
+LEAN_MODULES = (("mlp", "fused", "mlp", "the fused MLP keeps only ReLU^2's output"),
+                ("qk", "fused", "qk", "the fused QK-norm keeps only what attention keeps"),
+                ("norm", "keep_output", "norm", "norms keeping their output keep nothing of their own"))
 FITS = ("adam", "lstsq")
 DFA_SCALES = ("none", "calibrated")
 
@@ -328,21 +333,14 @@ def validate(cfg: Config) -> None:
     except ValueError as exc:
         problems.append(f"model.recompute: {exc}")
     else:
-        if m.mlp == "fused" and "mlp" in parts and m.recompute not in ("all", "true"):
-            problems.append("model.recompute=mlp: the fused MLP keeps only ReLU^2's output, so there is nothing to "
-                            "recompute; drop mlp from model.recompute or set model.mlp=plain")
-        if m.norm == "keep_output" and "norm" in parts and m.recompute not in ("all", "true"):
-            problems.append("model.recompute=norm: with model.norm=keep_output the norms keep nothing of their own "
-                            "to recompute; drop norm from model.recompute or set model.norm=plain")
-        if m.qk == "fused" and "qk" in parts and m.recompute not in ("all", "true"):
-            problems.append("model.recompute=qk: the fused QK-norm keeps only what attention keeps, so there is "
-                            "nothing to recompute; drop qk from model.recompute or set model.qk=plain")
-    if m.mlp not in MLPS:
-        problems.append(f"model.mlp must be one of {'|'.join(MLPS)}, got {m.mlp!r}")
-    if m.qk not in MLPS:
-        problems.append(f"model.qk must be one of {'|'.join(MLPS)}, got {m.qk!r}")
-    if m.norm not in NORMS:
-        problems.append(f"model.norm must be one of {'|'.join(NORMS)}, got {m.norm!r}")
+        every_part = parts == frozenset(RECOMPUTE_PARTS)  # "all" names every part there is, idle ones too
+        for key, value, part, kept in LEAN_MODULES:
+            if getattr(m, key) == value and part in parts and not every_part:
+                problems.append(f"model.recompute={part}: {kept}, so there is nothing to recompute; drop {part} "
+                                f"from model.recompute or set model.{key}=plain")
+    for key, choices in MODEL_CHOICES.items():
+        if getattr(m, key) not in choices:
+            problems.append(f"model.{key} must be one of {'|'.join(choices)}, got {getattr(m, key)!r}")
     if cfg.data.source not in ("synthetic", "shards"):
         problems.append(f"data.source must be synthetic|shards, got {cfg.data.source!r} (shards are read from "
                         f"data.dir; prepare them with `creditlab data prepare`)")
