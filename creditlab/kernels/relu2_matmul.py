@@ -21,6 +21,9 @@ import torch
 
 from creditlab.kernels._triton import tl, triton
 
+if triton is not None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
 EPILOGUE_NONE, EPILOGUE_RELU2, EPILOGUE_RELU2_GRAD = 0, 1, 2
 
 
@@ -33,7 +36,6 @@ class TileConfig:
     stages: int = 3
     warps: int = 8
     subtiles: int = 2  # the epilogue's column splits
-    prefetch: bool = False  # load the derivative epilogue's post tile before the K loop, not after it
 
 
 # The fastest measured at the seed shape on an H200 (benchmarks/relu2_mlp.md), per product.
@@ -62,8 +64,7 @@ if triton is not None:
     @triton.jit
     def _matmul_kernel(a_desc, b_desc, c_desc, aux_desc, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
-                       B_IS_KN: tl.constexpr, EPILOGUE: tl.constexpr, SUBTILES: tl.constexpr,
-                       PREFETCH: tl.constexpr):
+                       B_IS_KN: tl.constexpr, EPILOGUE: tl.constexpr, SUBTILES: tl.constexpr):
         tiles_m = tl.cdiv(M, BLOCK_M)
         tiles_n = tl.cdiv(N, BLOCK_N)
         k_steps = tl.cdiv(K, BLOCK_K)
@@ -71,12 +72,6 @@ if triton is not None:
             pid_m, pid_n = _tile_coordinates(tile, tiles_m, tiles_n, GROUP_M)
             off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
             HALF: tl.constexpr = BLOCK_N // SUBTILES
-            aux_left = None
-            aux_right = None
-            if EPILOGUE == 2 and PREFETCH:
-                aux_left = aux_desc.load([off_m, off_n])
-                if SUBTILES == 2:
-                    aux_right = aux_desc.load([off_m, off_n + HALF])
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for step in range(k_steps):
                 off_k = step * BLOCK_K
@@ -85,7 +80,11 @@ if triton is not None:
                     acc = tl.dot(a, b_desc.load([off_k, off_n]), acc)
                 else:
                     acc = tl.dot(a, b_desc.load([off_n, off_k]).T, acc)
-            if EPILOGUE == 2 and not PREFETCH:
+            # The post tile, after the K loop: loaded before it, it stays live across the loop and spills
+            # registers (benchmarks/results/relu2_mlp_configs_seed.md: 12.9 ms instead of 0.58 ms).
+            aux_left = None
+            aux_right = None
+            if EPILOGUE == 2:
                 aux_left = aux_desc.load([off_m, off_n])
                 if SUBTILES == 2:
                     aux_right = aux_desc.load([off_m, off_n + HALF])
@@ -116,8 +115,6 @@ def _programs(device: torch.device, tiles: int) -> int:
 
 def _launch(a, b, b_is_kn: bool, epilogue: int, aux=None, config: TileConfig | None = None,
             out: torch.Tensor | None = None) -> torch.Tensor:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     cfg = config or (DGRAD_TILES if epilogue == EPILOGUE_RELU2_GRAD else EXPAND_TILES)
     a = a.contiguous()
     b = b.contiguous()
@@ -137,7 +134,7 @@ def _launch(a, b, b_is_kn: bool, epilogue: int, aux=None, config: TileConfig | N
     programs = _programs(a.device, tiles)
     _matmul_kernel[(programs,)](a_desc, b_desc, c_desc, aux_desc, M, N, K, BLOCK_M=cfg.block_m,
                                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, PROGRAMS=programs,
-                                B_IS_KN=b_is_kn, EPILOGUE=epilogue, SUBTILES=cfg.subtiles, PREFETCH=cfg.prefetch,
+                                B_IS_KN=b_is_kn, EPILOGUE=epilogue, SUBTILES=cfg.subtiles,
                                 num_stages=cfg.stages, num_warps=cfg.warps)
     return c
 
