@@ -79,33 +79,38 @@ def expand_relu2_values(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor,
 
 
 class _ExpandReLU2(torch.autograd.Function):
+    # Both Functions keep the weight as cast for the forward (as autocast's F.linear does): the backward's products
+    # read it without a cast of their own.
     @staticmethod
     def forward(ctx, x, weight):
-        post, xc, _ = expand_relu2_values(x, weight)
-        ctx.save_for_backward(xc, weight)
+        post, xc, wc = expand_relu2_values(x, weight)
+        ctx.save_for_backward(xc, wc)
+        ctx.weight_dtype = weight.dtype
         return post
 
     @staticmethod
     def backward(ctx, dh):  # dh: dL/dh, by the convention
-        x, weight = ctx.saved_tensors
-        dx = dh @ weight.to(dh.dtype) if ctx.needs_input_grad[0] else None
-        dw = (_rows(dh).t() @ _rows(x).to(dh.dtype)).to(weight.dtype)
+        x, w = ctx.saved_tensors
+        dx = dh @ w.to(dh.dtype) if ctx.needs_input_grad[0] else None
+        dw = (_rows(dh).t() @ _rows(x).to(dh.dtype)).to(ctx.weight_dtype)
         return dx, dw
 
 
 class _ProjectReLU2(torch.autograd.Function):
     @staticmethod
     def forward(ctx, post, weight):
-        ctx.save_for_backward(post, weight)
-        return F.linear(post, weight.to(post.dtype))
+        w = weight.to(post.dtype)
+        ctx.save_for_backward(post, w)
+        ctx.weight_dtype = weight.dtype
+        return F.linear(post, w)
 
     @staticmethod
     def backward(ctx, dy):
-        post, weight = ctx.saved_tensors
+        post, w = ctx.saved_tensors
         dh = None
         if ctx.needs_input_grad[0]:  # dL/dh, not dL/dpost: the convention
-            dh = relu2_dgrad(_rows(dy), weight.to(dy.dtype), _rows(post).to(dy.dtype)).view(post.shape)
-        dw = (_rows(dy).t() @ _rows(post).to(dy.dtype)).to(weight.dtype)
+            dh = relu2_dgrad(_rows(dy), w.to(dy.dtype), _rows(post).to(dy.dtype)).view(post.shape)
+        dw = (_rows(dy).t() @ _rows(post).to(dy.dtype)).to(ctx.weight_dtype)
         return dh, dw
 
 
