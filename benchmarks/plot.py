@@ -159,6 +159,10 @@ ARMS_FIGURES = [
      "interleaved; the fit's report read before the optimizer step"),
     ("arms_teacher_after_sync_seed.json", "arms_teacher_after_sync_seed.png",
      "interleaved; the fit's report read after the optimizer step"),
+    ("arms_fused_mlp_seed.json", "arms_fused_mlp_seed.png", "fused MLP (ReLU^2 in the products' epilogues) vs plain"),
+    ("arms_fused_mlp_seed.json", "arms_fused_mlp_rows_seed.png", None),
+    ("arms_fused_qk_seed.json", "arms_fused_qk_seed.png", "fused QK-norm + rotary vs plain, both on the fused MLP"),
+    ("arms_fused_decode_seed.json", "arms_fused_decode_seed.png", "learned: decode inside the norm's backward vs plain"),
 ]
 
 
@@ -223,6 +227,10 @@ def main() -> None:
     (out / "fit").mkdir(exist_ok=True)
     print(plot_arms(HERE / "fit" / "cost" / "arms.json", out / "fit", "cost.png",
                     "fit study: synthetic and teacher updates per family"))
+    (out / "rivals" / "cost").mkdir(parents=True, exist_ok=True)
+    for table in ("A", "B"):
+        print(plot_arms(HERE / "rivals" / "cost" / table / "arms.json", out / "rivals" / "cost", f"{table}.png",
+                        f"rivals at the seed shape, table {table} (ratios against its own native)"))
 
 
 if __name__ == "__main__":
