@@ -129,23 +129,47 @@ def gpu_busy_ms(trace: dict, gaps: int = 0) -> tuple[float, int, list[tuple[floa
     return busy / 1e3, kernels, sorted(idle, reverse=True)[:gaps]
 
 
-def profile(trainer: Trainer, path: Path, updates: int = 2) -> None:
-    """Kernel-level CUDA time of a few more updates, largest first, headed by how long the GPU was busy."""
+def _traced(trainer: Trainer, updates: int, activities) -> tuple[object, float, dict]:
+    """`updates` more updates under torch.profiler: the profiler, their wall seconds, and the Chrome trace."""
     import tempfile
 
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import profile as torch_profile
 
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    torch.cuda.synchronize()
+    with torch_profile(activities=activities) as prof:
+        start = time.perf_counter()
         for _ in range(updates):
             trainer.train_update()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
     with tempfile.TemporaryDirectory() as tmp:
         trace_path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace_path))
-        busy, kernels, gaps = gpu_busy_ms(json.loads(trace_path.read_text()), gaps=8)
+        trace = json.loads(trace_path.read_text())
+    return prof, wall, trace
+
+
+def _gaps(gaps) -> str:
+    return "; ".join(f"{ms:.2f} ms after {a[:50]} before {b[:50]}" for ms, a, b in gaps)
+
+
+def profile(trainer: Trainer, path: Path, updates: int = 2) -> None:
+    """Kernel-level CUDA time of a few more updates, largest first, headed by how long the GPU was busy.
+
+    The GPU's idle time is read first from a trace of GPU activity alone: recording every host-side op as well
+    slows the host enough to starve the GPU, so that trace's idle stretches say more about the profiler than
+    about the step."""
+    from torch.profiler import ProfilerActivity
+
+    _, wall, trace = _traced(trainer, updates, [ProfilerActivity.CUDA])
+    gpu_busy, _, gpu_gaps = gpu_busy_ms(trace, gaps=6)
+    prof, _, trace = _traced(trainer, updates, [ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    busy, kernels, gaps = gpu_busy_ms(trace, gaps=8)
     head = (f"GPU busy (union of kernel, memset and memcpy intervals): {busy / updates:.1f} ms per update, "
             f"{kernels / updates:,.0f} kernels per update, over {updates} profiled updates\n"
-            "longest idle stretches: " + "; ".join(f"{ms:.2f} ms after {a[:50]} before {b[:50]}"
-                                                  for ms, a, b in gaps) + "\n\n")
+            f"GPU activity alone traced: busy {gpu_busy / updates:.1f} of {wall * 1e3 / updates:.1f} ms wall per "
+            f"update; longest idle stretches: {_gaps(gpu_gaps)}\n"
+            f"with host ops traced too, longest idle stretches: {_gaps(gaps)}\n\n")
     path.write_text(head + prof.key_averages().table(sort_by="cuda_time_total", row_limit=150,
                                                      max_name_column_width=90))
 

@@ -22,10 +22,11 @@ CLASSES = [
     ("fused MLP products (Triton)", lambda n: n.startswith("_matmul_kernel")),
     ("attention (cuDNN)", lambda n: "cudnn" in n or "flash" in n or "sdpa" in n),
     ("head cross-entropy (Triton)", lambda n: n.startswith("_softcap_ce_rows")),
-    ("QK-norm + rotary", lambda n: n.startswith("triton") and "cat" in n and ("neg" in n or "split" in n)),
+    ("QK-norm + rotary", lambda n: n.startswith("_qk_") or n in ("_forward", "_backward")  # the kernels' first names
+     or (n.startswith("triton") and "cat" in n and ("neg" in n or "split" in n))),
     ("ReLU^2 (plain MLP)", lambda n: n.startswith("triton") and ("relu" in n or "threshold" in n or "le_" in n)
      and "dgrad" not in n),
-    ("norms", lambda n: n.startswith("triton") and ("rsqrt" in n or "mean" in n)),
+    ("norms", lambda n: n.startswith("_norm_decode") or (n.startswith("triton") and ("rsqrt" in n or "mean" in n))),
     ("embeddings", lambda n: n.startswith("triton") and "embedding" in n),
     ("other generated pointwise / reductions", lambda n: n.startswith("triton")),
     ("optimizer and eager elementwise", lambda n: "at::native" in n or "multi_tensor" in n or "foreach" in n),

@@ -42,7 +42,7 @@ if triton is not None:
         return rows, valid, cols, c, s, out_at
 
     @triton.jit
-    def _forward(qkv, q_out, k_out, v_out, scale_out, cos, sin, tokens, T, H: tl.constexpr, HD: tl.constexpr,
+    def _qk_forward(qkv, q_out, k_out, v_out, scale_out, cos, sin, tokens, T, H: tl.constexpr, HD: tl.constexpr,
                  eps, ROWS: tl.constexpr):
         HALF: tl.constexpr = HD // 2
         rows, valid, cols, c, s, out_at = _block(cos, sin, tokens, T, H, HD, ROWS)
@@ -67,7 +67,7 @@ if triton is not None:
             tl.store(v_out + out_at + half * HALF, v, mask=valid[:, None])
 
     @triton.jit
-    def _backward(dq, dk, dv, q_out, k_out, scales, cos, sin, dqkv, tokens, T, H: tl.constexpr,
+    def _qk_backward(dq, dk, dv, q_out, k_out, scales, cos, sin, dqkv, tokens, T, H: tl.constexpr,
                   HD: tl.constexpr, ROWS: tl.constexpr):
         HALF: tl.constexpr = HD // 2
         rows, valid, cols, c, s, out_at = _block(cos, sin, tokens, T, H, HD, ROWS)
@@ -118,7 +118,7 @@ def qk_norm_rotary_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
                torch.empty((B, T, 2, heads), dtype=torch.float32, device=qkv.device))
     q, k, v, scales = out
     tokens = B * T
-    _forward[_grid(tokens, heads)](qkv, q, k, v, scales, cos.contiguous(), sin.contiguous(), tokens, T, H=heads,
+    _qk_forward[_grid(tokens, heads)](qkv, q, k, v, scales, cos.contiguous(), sin.contiguous(), tokens, T, H=heads,
                                    HD=hd, eps=eps, ROWS=ROWS, num_warps=WARPS)
     return q, k, v, scales
 
@@ -128,7 +128,7 @@ def qk_norm_rotary_backward(dq, dk, dv, q, k, scales, cos, sin, out=None) -> tor
     B, T, heads, hd = q.shape
     dqkv = q.new_empty((B, T, 3 * heads * hd)) if out is None else out
     tokens = B * T
-    _backward[(triton.cdiv(tokens, BACKWARD_ROWS), heads)](
+    _qk_backward[(triton.cdiv(tokens, BACKWARD_ROWS), heads)](
         dq.contiguous(), dk.contiguous(), dv.contiguous(), q, k, scales, cos.contiguous(), sin.contiguous(), dqkv,
         tokens, T, H=heads, HD=hd, ROWS=BACKWARD_ROWS, num_warps=BACKWARD_WARPS)
     return dqkv

@@ -14,7 +14,7 @@ import torch
 
 from creditlab.kernels._triton import tl, triton
 
-DEFAULT_BLOCK, DEFAULT_WARPS = 512, 4  # fastest at the seed shape (benchmarks/softcap_ce.md)
+DEFAULT_BLOCK, DEFAULT_WARPS, DEFAULT_STAGES = 512, 4, 1  # fastest at the seed shape (benchmarks/softcap_ce.md)
 
 if triton is not None:
 
@@ -28,7 +28,7 @@ if triton is not None:
 
     @triton.jit
     def _softcap_ce_rows(logits_ptr, grad_ptr, targets_ptr, loss_ptr, stride, cap, scale, vocab: tl.constexpr,
-                         padded: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr):
+                         padded: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr, STAGES: tl.constexpr):
         LOG2E: tl.constexpr = 1.4426950408889634
         row = tl.program_id(0).to(tl.int64)
         logits_row = logits_ptr + row * stride
@@ -38,7 +38,7 @@ if triton is not None:
         # Pass 1: sum of exp(z - cap) over the true vocabulary, and the target's z.
         sum_e = tl.zeros([BLOCK], tl.float32)
         target_z = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, vocab, BLOCK):
+        for start in tl.range(0, vocab, BLOCK, num_stages=STAGES):
             cols = start + tl.arange(0, BLOCK)
             valid = cols < vocab
             z = cap * _tanh(tl.load(logits_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_cap, FAST)
@@ -47,7 +47,7 @@ if triton is not None:
         lse = cap + tl.log(tl.sum(sum_e, axis=0))
         tl.store(loss_ptr + row, lse - tl.sum(target_z, axis=0))
         # Pass 2 (the row is in L2 by now): scale * (softmax(z) - onehot) * (1 - tanh^2); padding gets 0.
-        for start in range(0, padded, BLOCK):
+        for start in tl.range(0, padded, BLOCK, num_stages=STAGES):
             cols = start + tl.arange(0, BLOCK)
             valid = cols < vocab
             t = _tanh(tl.load(logits_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_cap, FAST)
@@ -57,7 +57,8 @@ if triton is not None:
 
 
 def softcap_ce_rows(logits: torch.Tensor, targets: torch.Tensor, vocab: int, cap: float, scale: float,
-                    block: int | None = None, num_warps: int | None = None, fast: bool | None = None):
+                    block: int | None = None, num_warps: int | None = None, fast: bool | None = None,
+                    stages: int | None = None):
     """Per-row loss (float32) and the gradient of scale * sum(loss) with respect to logits (logits' dtype).
 
     logits: (n, padded) with columns >= vocab being padding; targets: (n,) int64 in [0, vocab). `block`
@@ -75,5 +76,6 @@ def softcap_ce_rows(logits: torch.Tensor, targets: torch.Tensor, vocab: int, cap
     block = block or min(triton.next_power_of_2(padded), DEFAULT_BLOCK)
     _softcap_ce_rows[(n,)](logits, grad, targets, loss, logits.stride(0), float(cap), float(scale),
                            vocab=vocab, padded=padded, BLOCK=block,
-                           FAST=logits.is_cuda if fast is None else fast, num_warps=num_warps or DEFAULT_WARPS)
+                           FAST=logits.is_cuda if fast is None else fast, STAGES=stages or DEFAULT_STAGES,
+                           num_warps=num_warps or DEFAULT_WARPS)
     return loss, grad
