@@ -73,6 +73,7 @@ MODIFIERS = {
     "fused_qk": ["model.qk=fused"],
     "plain_qk": ["model.qk=plain"],  # QK-norm and rotary op by op (the earlier default)
     "norm_keeps_output": ["model.norm=keep_output"],
+    "host_inline": ["train.prefetch=0", "train.gc=auto"],  # micro-batches made in line, Python's own collector
     # the recompute study of benchmarks/native_seed.md, on the plain modules it was made with
     "keep_mlp": ["model.mlp=plain", "model.qk=plain", "model.recompute=norm,qk"],
     "keep_norm": ["model.mlp=plain", "model.qk=plain", "model.recompute=qk,mlp"],
@@ -244,19 +245,44 @@ def build_arm(name: str, base: config_mod.Config, init_state: dict) -> dict:
         loss.backward()
         trainer.optimizers.zero_grad()
         del loss
-    trainer.loader.position = 0
+    trainer.loader.load_state_dict({**trainer.loader.state_dict(), "position": 0})
     gc.collect()
     torch.cuda.synchronize()
     return {"name": name, "overrides": overrides, "init_sha256": init_sha, "trainer": trainer, "rows": [],
             "saved_by_forward_mib": saved[-1], "wall_s": 0.0}
 
 
+class CollectorTime:
+    """Host seconds spent in Python's garbage collections (through gc.callbacks), summed until taken."""
+
+    def __init__(self):
+        self.total, self._start = 0.0, None
+        gc.callbacks.append(self._event)
+
+    def _event(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.total += time.perf_counter() - self._start
+            self._start = None
+
+    def take(self) -> float:
+        total, self.total = self.total, 0.0
+        return total
+
+
+COLLECTOR = CollectorTime()
+
+
 def run_update(arm: dict, own: OwnMemory) -> None:
-    """One timed update of an arm, its memory peak counted as if it ran alone (see OwnMemory)."""
+    """One timed update of an arm, its memory peak counted as if it ran alone (see OwnMemory), and the time
+    Python's collector took during it."""
+    COLLECTOR.take()
     start = time.perf_counter()
     row = own.update(arm["name"], arm["trainer"].train_update)
     arm["wall_s"] += time.perf_counter() - start
     arm["rows"].append(row)
+    arm.setdefault("gc_s", []).append(COLLECTOR.take())
 
 
 def summarize_arm(arm: dict) -> dict:
@@ -272,6 +298,10 @@ def summarize_arm(arm: dict) -> dict:
     reserved = [r.peak_reserved_mib for r in rows[1:] or rows if r.peak_reserved_mib is not None]
     out["peak_reserved_mib"] = max(reserved) if reserved else None
     out["loss_last"] = rows[-1].loss
+    # collections are rare and long: their mean over the updates after the first, not a median
+    gc_s = arm.get("gc_s", [])[1:]
+    out["gc_ms_per_update"] = 1e3 * sum(gc_s) / len(gc_s) if gc_s else None
+    out["gc_ms_max"] = 1e3 * max(gc_s) if gc_s else None
     out.update(cycle_estimate(out["rows"]))
     return out
 
@@ -412,7 +442,10 @@ def main() -> int:
             return
         print(f"arm {r['arm']}: {r['median_last6_s']:.4f} s/update, peak {r['peak_allocated_mib']:,.0f} MiB "
               f"(one forward keeps {r['saved_by_forward_mib']:,.0f} MiB) (reserved {_mib(r['peak_reserved_mib'])}), "
-              f"first update {r['first_update_s']:.1f} s", flush=True)
+              f"first update {r['first_update_s']:.1f} s"
+              + ("" if r.get("gc_ms_per_update") is None else
+                 f", garbage collection {r['gc_ms_per_update']:.1f} ms per update (longest {r['gc_ms_max']:.1f})"),
+              flush=True)
 
     def out_of_memory(name: str, exc: Exception) -> None:
         results[name] = {"arm": name, "oom": str(exc)[:2000]}
