@@ -73,7 +73,6 @@ MODIFIERS = {
     "fused_qk": ["model.qk=fused"],
     "plain_qk": ["model.qk=plain"],  # QK-norm and rotary op by op (the earlier default)
     "norm_keeps_output": ["model.norm=keep_output"],
-    "host_inline": ["train.prefetch=0", "train.gc=auto"],  # micro-batches made in line, Python's own collector
     # the recompute study of benchmarks/native_seed.md, on the plain modules it was made with
     "keep_mlp": ["model.mlp=plain", "model.qk=plain", "model.recompute=norm,qk"],
     "keep_norm": ["model.mlp=plain", "model.qk=plain", "model.recompute=qk,mlp"],

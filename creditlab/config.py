@@ -151,12 +151,6 @@ class TrainConfig:
     compile_mode: str = "default"  # default | coordinate-descent (tune fused kernels' launch configs) |
     # max-autotune-no-cudagraphs (also Triton matmuls with fused epilogues; compiles for many minutes)
     sdpa: str = "auto"  # attention kernel: auto | flash | cudnn | efficient | math
-    # Host work kept off the GPU's path (creditlab/data/prefetch.py, Trainer.train_update). prefetch: micro-batches
-    # made ahead on a background thread, pinned (CUDA only; 0: made between micro-batches). gc: "step" pauses
-    # Python's automatic collection inside an update and collects at its end while the GPU still works (a full
-    # collection every GC_FULL_EVERY updates); "auto" leaves Python's collector as it is.
-    prefetch: int = 2
-    gc: str = "step"
     activation_budget: float = 1.0  # < 1: ask the compiler to recompute activations to fit this fraction
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 autocast on CUDA, float32 on CPU) | float32 | float64 | bf16
@@ -216,8 +210,6 @@ class Config:
         for fused in ("mlp", "qk"):
             if "model" in d and fused not in d["model"]:
                 setattr(cfg.model, fused, "plain")  # a record from before the fused module: it ran the plain one
-        if "train" in d and "gc" not in d["train"]:  # a record from before the host settings: it ran without them
-            cfg.train.prefetch, cfg.train.gc = 0, "auto"
         for section, values in d.items():
             for key, value in values.items():
                 _assign(cfg, f"{section}.{key}", value)
@@ -365,10 +357,6 @@ def validate(cfg: Config) -> None:
         problems.append(f"train.compile must be auto|on|off, got {t.compile!r}")
     if t.compile_mode not in COMPILE_MODES:
         problems.append(f"train.compile_mode must be one of {'|'.join(COMPILE_MODES)}, got {t.compile_mode!r}")
-    if t.prefetch < 0:
-        problems.append(f"train.prefetch must be >= 0 (micro-batches made ahead; 0: none), got {t.prefetch}")
-    if t.gc not in ("step", "auto"):
-        problems.append(f"train.gc must be step|auto, got {t.gc!r}")
     if t.sdpa not in ("auto", "flash", "cudnn", "efficient", "math"):
         problems.append(f"train.sdpa must be auto|flash|cudnn|efficient|math, got {t.sdpa!r}")
     if t.device not in ("auto", "cpu", "cuda"):

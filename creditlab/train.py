@@ -9,7 +9,6 @@ one optimizer step; each update yields a row of synchronized wall time, loss and
 from __future__ import annotations
 
 import contextlib
-import gc
 import math
 import os
 import sys
@@ -23,7 +22,6 @@ from creditlab import data
 from creditlab import runtime as rt
 from creditlab.alignment import alignment
 from creditlab.config import Config, UserError
-from creditlab.data.prefetch import Prefetcher
 from creditlab.credit import make_source
 from creditlab.credit.schedules import plan_for
 from creditlab.flops import flop_budget
@@ -71,25 +69,6 @@ class UpdateRow:
         return " | ".join(parts)
 
 
-GC_FULL_EVERY = 100  # train.gc=step: a full collection every this many updates, the young generations otherwise
-
-
-@contextlib.contextmanager
-def _gc_paused(pause: bool):
-    if pause:
-        gc.disable()
-    try:
-        yield
-    finally:
-        if pause:
-            gc.enable()
-
-
-def prefetching(loader, cfg: Config, runtime: rt.Runtime):
-    """The loader behind a Prefetcher (train.prefetch micro-batches ahead) on CUDA; as it is elsewhere."""
-    return Prefetcher(loader, cfg.train.prefetch) if runtime.is_cuda and cfg.train.prefetch else loader
-
-
 def build_model(cfg: Config, runtime: rt.Runtime, seed: int | None = None) -> GPT:
     torch.manual_seed(cfg.train.seed if seed is None else seed)
     return GPT(cfg.model).to(device=runtime.device, dtype=runtime.param_dtype)
@@ -104,8 +83,8 @@ class Trainer:
         self.source = make_source(cfg).to(device=self.runtime.device, dtype=self.runtime.param_dtype)
         self.plan = plan_for(cfg.credit.schedule, cfg.credit.teacher_every, self.source.omits, self.source.fits)
         self.optimizers = Optimizers(self.model, cfg.train)
-        self.loader = loader if loader is not None else prefetching(data.make_loader(
-            cfg, "train", self.runtime.rank, self.runtime.world_size), cfg, self.runtime)
+        self.loader = loader if loader is not None else data.make_loader(
+            cfg, "train", self.runtime.rank, self.runtime.world_size)
         self.ddp = DDP(self.model, device_ids=[self.runtime.local_rank] if self.runtime.is_cuda else None) \
             if self.runtime.world_size > 1 else None
         self._forward = rt.maybe_compile(self.ddp or self.model, self.runtime, cfg.train.activation_budget,
@@ -118,7 +97,7 @@ class Trainer:
     def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         batch = self.loader.next()
         if self.runtime.is_cuda:
-            batch = (batch if batch.is_pinned() else batch.pin_memory()).to(self.runtime.device, non_blocking=True)
+            batch = batch.pin_memory().to(self.runtime.device, non_blocking=True)
         return batch[:, :-1], batch[:, 1:]
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, credit, scale: float) -> torch.Tensor:
@@ -140,9 +119,6 @@ class Trainer:
         update, kind = self.update_index, self.update_kind(self.update_index)
         rt.reset_peak_memory(runtime)
         losses, batches = [], []
-        # train.gc=step: no automatic collection inside the update; the update collects its own garbage below,
-        # inside its timed region, while the GPU still has the step's kernels to run
-        collect = cfg.gc == "step" and gc.isenabled()
 
         def step() -> tuple[float, dict | None, float]:
             # Checked after the step, when the host waits for the loss anyway, so the backward and the step stay
@@ -150,8 +126,6 @@ class Trainer:
             grad_norms = self._grad_norms()
             lr_scale = self.optimizers.step(update)
             self.optimizers.zero_grad()
-            if collect:  # before anything here reads the device: the collection overlaps the queued kernels
-                gc.collect(2 if (update + 1) % GC_FULL_EVERY == 0 else 1)
             # After the model's step: the fit's report reads its metrics on the host, and a synchronization
             # before the step would leave the GPU idle while the host launches the optimizer's many kernels.
             fit = self.source.end_update(kind)
@@ -160,7 +134,7 @@ class Trainer:
             self._check_finite(update, loss, losses, grad_norms)
             return lr_scale, fit, loss
 
-        with rt.Timer(runtime) as timed, _gc_paused(collect):
+        with rt.Timer(runtime) as timed:
             for micro in range(cfg.grad_accum):
                 inputs, targets = self._batch()
                 if align:
@@ -176,7 +150,7 @@ class Trainer:
         seconds, aligned = timed.seconds, None
         if align:  # the alignment pass between the backward and the step, outside the timed regions
             aligned = self.measure_alignment(batches)
-            with rt.Timer(runtime) as timed_step, _gc_paused(collect):
+            with rt.Timer(runtime) as timed_step:
                 lr_scale, fit, loss = step()
             seconds += timed_step.seconds
         tokens = cfg.grad_accum * cfg.micro_batch * self.cfg.model.seq_len * runtime.world_size

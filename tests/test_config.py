@@ -195,10 +195,3 @@ def test_from_dict_reads_strings_as_overrides_do():
 def test_an_unknown_compile_mode_is_an_error_naming_the_modes():
     with pytest.raises(config.ConfigError, match="max-autotune-no-cudagraphs"):
         config.load("tiny", ["train.compile_mode=fastest"])
-
-
-def test_records_from_before_the_host_settings_read_as_run():
-    old = Config.from_dict({"train": {"micro_batch": 8}}).train  # no gc/prefetch keys: made in line, auto
-    assert (old.prefetch, old.gc) == (0, "auto")
-    new = Config.from_dict(Config().to_dict()).train
-    assert (new.prefetch, new.gc) == (Config().train.prefetch, Config().train.gc)

@@ -179,32 +179,3 @@ def test_records_identify_the_source_by_content(tmp_path):
     assert rt.source_sha256(tmp_path) == before
     (tmp_path / "sub" / "b.py").write_text("y = 3\n")
     assert rt.source_sha256(tmp_path) != before
-
-
-@pytest.mark.parametrize("policy", ["step", "auto"])
-def test_gc_step_collects_inside_the_update_and_nowhere_automatically(policy, monkeypatch):
-    """train.gc=step: no automatic collection while the micro-batches run, one explicit collection of the young
-    generations per update (inside its timed region), the collector enabled again afterwards."""
-    import gc
-
-    cfg = config.load("tiny", TINY + ["train.grad_accum=2", f"train.gc={policy}"])
-    batch = torch.randint(0, 97, (8, 33), generator=torch.Generator().manual_seed(1))
-    trainer = Trainer(cfg, loader=FixedLoader(batch))
-    enabled, collected = [], []
-    real_forward_backward, real_collect = trainer.forward_backward, gc.collect
-    monkeypatch.setattr(trainer, "forward_backward",
-                        lambda *a, **k: enabled.append(gc.isenabled()) or real_forward_backward(*a, **k))
-    monkeypatch.setattr(gc, "collect", lambda generation=2: collected.append(generation) or real_collect(generation))
-    trainer.train_update()
-    assert gc.isenabled()
-    if policy == "step":
-        assert enabled == [False, False] and collected == [1]
-    else:
-        assert enabled == [True, True] and collected == []
-
-
-def test_gc_and_prefetch_settings_are_checked():
-    with pytest.raises(config.UserError, match="train.gc must be step|auto"):
-        config.load("tiny", TINY + ["train.gc=never"])
-    with pytest.raises(config.UserError, match="train.prefetch must be >= 0"):
-        config.load("tiny", TINY + ["train.prefetch=-1"])

@@ -348,7 +348,7 @@ class _Screen:
     def build_arm(self, arm: str) -> bool:
         """The arm's model from the shared initial state, its loader and trainer; False if it ran out of memory."""
         from creditlab import data
-        from creditlab.train import Trainer, build_model, prefetching
+        from creditlab.train import Trainer, build_model
 
         cfg = arm_config(self.cfg, arm, self.synthetic_source)
         runtime = self.runtime
@@ -366,7 +366,7 @@ class _Screen:
             if rec.init_sha256 != self.init_sha256:
                 raise IntegrityError(f"identical initialization violated: the {arm} arm's initial state dict "
                                      f"hashes to {rec.init_sha256[:16]}, the shared one to {self.init_sha256[:16]}")
-            loader = prefetching(data.make_loader(cfg, "train"), cfg, runtime)
+            loader = data.make_loader(cfg, "train")
             if self.hooks.loader is not None:
                 loader = self.hooks.loader(arm, loader)
             recorder = InputRecorder(arm, loader, cfg.train.grad_accum, hook=self.hooks.micro_batch)
