@@ -163,6 +163,10 @@ ARMS_FIGURES = [
     ("arms_fused_mlp_seed.json", "arms_fused_mlp_rows_seed.png", None),
     ("arms_fused_qk_seed.json", "arms_fused_qk_seed.png", "fused QK-norm + rotary vs plain, both on the fused MLP"),
     ("arms_fused_decode_seed.json", "arms_fused_decode_seed.png", "learned: decode inside the norm's backward vs plain"),
+    ("arms_fused_defaults_seed.json", "arms_fused_defaults_seed.png",
+     "fused MLP and QK-norm (defaults): credit arms, norms keeping their output"),
+    ("arms_fused_defaults_seed.json", "arms_fused_defaults_rows_seed.png", None),
+    ("arms_host_seed.json", "arms_host_seed.png", "micro-batches made ahead and the collector paused, vs in line"),
 ]
 
 
