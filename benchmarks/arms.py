@@ -53,7 +53,8 @@ ARMS = {
     "teacher_lstsq": ["credit.source=learned", "credit.teacher_every=1", "credit.fit=lstsq"],
     "teacher_typed": ["credit.source=typed", "credit.teacher_every=1", "credit.fit=lstsq"],
     "teacher_feedback": ["credit.source=fitted_feedback", "credit.teacher_every=1", "credit.fit=lstsq"],
-    "native_plain": ["credit.source=exact", "model.mlp=plain", "model.qk=plain", "model.recompute=none"],
+    "native_plain": ["credit.source=exact", "model.mlp=plain", "model.qk=plain", "model.norm=plain",
+                     "model.recompute=none"],
     "dfa_calibrated": ["credit.source=dfa", "credit.dfa_scale=calibrated", "credit.teacher_every=0"],
     "teacher_dfa_calibrated": ["credit.source=dfa", "credit.dfa_scale=calibrated", "credit.teacher_every=1"],
     "fdfa": ["credit.source=fdfa", "credit.teacher_every=0"],
@@ -73,11 +74,12 @@ MODIFIERS = {
     "fused_qk": ["model.qk=fused"],
     "plain_qk": ["model.qk=plain"],  # QK-norm and rotary op by op (the earlier default)
     "norm_keeps_output": ["model.norm=keep_output"],
+    "plain_norm": ["model.norm=plain"],  # norms as autograd records them, keeping their input (the earlier default)
     # the recompute study of benchmarks/native_seed.md, on the plain modules it was made with
-    "keep_mlp": ["model.mlp=plain", "model.qk=plain", "model.recompute=norm,qk"],
-    "keep_norm": ["model.mlp=plain", "model.qk=plain", "model.recompute=qk,mlp"],
-    "keep_qk": ["model.mlp=plain", "model.qk=plain", "model.recompute=norm,mlp"],
-    "keep_norm_qk": ["model.mlp=plain", "model.qk=plain", "model.recompute=mlp"],
+    "keep_mlp": ["model.mlp=plain", "model.qk=plain", "model.norm=plain", "model.recompute=norm,qk"],
+    "keep_norm": ["model.mlp=plain", "model.qk=plain", "model.norm=plain", "model.recompute=qk,mlp"],
+    "keep_qk": ["model.mlp=plain", "model.qk=plain", "model.norm=plain", "model.recompute=norm,mlp"],
+    "keep_norm_qk": ["model.mlp=plain", "model.qk=plain", "model.norm=plain", "model.recompute=mlp"],
     "recompute_all": ["model.recompute=all"],
     "flash": ["train.sdpa=flash"],
     "cudnn": ["train.sdpa=cudnn"],

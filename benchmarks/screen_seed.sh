@@ -2,6 +2,7 @@
 # The seed resource screen under an admission, then the seed's situation replayed under a per-process memory cap
 # emulating a 24 GB card (24,111 MiB free at prelaunch): streaming and materialized synthetic arms.
 #   bash benchmarks/screen_seed.sh OUT_DIR [DATA_DIR]
+# With SCREENS=admitted only the screen under the admission runs.
 set -uo pipefail
 out=${1:?output folder}; data=${2:-data/prose}
 mkdir -p "$out"
@@ -11,7 +12,9 @@ common=(--preset seed --set data.source=shards --set "data.dir=$data" --set "tra
 adm=$($cli admit "${common[@]}" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["admission"])')
 echo "admission $adm"
 $cli screen --admission "$adm" --out-dir "$runs" 2>&1 | tee "$out/screen_admitted.log" | grep -vE "^ *(native|synthetic) \| update"
-$cli screen "${common[@]}" --set screen.memory_cap_mib=24111 2>&1 | tee "$out/screen_24gb_streaming.log" | tail -4
-$cli screen "${common[@]}" --set screen.memory_cap_mib=24111 --set credit.materialized=true 2>&1 \
-  | tee "$out/screen_24gb_materialized.log" | tail -4
+if [ "${SCREENS:-all}" != admitted ]; then
+  $cli screen "${common[@]}" --set screen.memory_cap_mib=24111 2>&1 | tee "$out/screen_24gb_streaming.log" | tail -4
+  $cli screen "${common[@]}" --set screen.memory_cap_mib=24111 --set credit.materialized=true 2>&1 \
+    | tee "$out/screen_24gb_materialized.log" | tail -4
+fi
 tar czf "$out/screen_records.tgz" -C "$runs" .

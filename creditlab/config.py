@@ -40,9 +40,10 @@ class ModelConfig:
     # Triton on CUDA), the rotated q and k kept (attention keeps them anyway); plain: op by op (records from
     # before the fused QK-norm read plain).
     qk: str = "fused"
-    # plain: the blocks' norms as autograd records them (keeping their input); keep_output: their backward reads
-    # n and the row scale instead, which the branch's product keeps anyway (model.norm_backward)
-    norm: str = "plain"
+    # keep_output: the blocks' norms' backward reads n and the row scale, which the branch's product keeps anyway
+    # (model.norm_backward); plain: as autograd records them, keeping their input too (records from before read
+    # plain)
+    norm: str = "keep_output"
 
     @property
     def recompute_parts(self) -> frozenset[str]:
@@ -207,9 +208,9 @@ class Config:
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
         cfg = cls()
-        for fused in ("mlp", "qk"):
+        for fused in ("mlp", "qk", "norm"):
             if "model" in d and fused not in d["model"]:
-                setattr(cfg.model, fused, "plain")  # a record from before the fused module: it ran the plain one
+                setattr(cfg.model, fused, "plain")  # a record from before the lean module: it ran the plain one
         for section, values in d.items():
             for key, value in values.items():
                 _assign(cfg, f"{section}.{key}", value)
