@@ -264,6 +264,28 @@ def test_admitted_screen_one_verdict_one_repair(tmp_path, decisive):
     assert [x["retry_of"] for x in adm.verdicts(a)] == [[], []]  # neither retried a screen without a verdict
 
 
+def test_an_admitted_screen_on_prepared_shards_records_them_by_hash(tmp_path, decisive):
+    """The admission keeps the shards' hashes, not copies: the record lists them uncopied, and the screen reads
+    the very shards the admission hashed."""
+    from tests.tiny_corpus import VOCAB, prepare_corpus
+
+    data = prepare_corpus(tmp_path / "corpus", tmp_path / "prepared")
+    root = tree(tmp_path / "repo")
+    cfg = cfg_for(tmp_path, "data.source=shards", f"data.dir={data}", f"model.vocab_size={VOCAB}",
+                  "screen.ratio_gate=0.0001")
+    a, _ = adm.admit(cfg, root=root)
+    shards = [f for f in a.files if f.role == "data_shard"]
+    assert shards, "the admission froze no shard"
+    outcome, verification = scr.admitted_screen(a.id, tmp_path / "runs", root=root, log=io.StringIO())
+    assert outcome.verdict == "timing_miss"
+    listed = {f["path"]: f for f in json.loads((outcome.record_dir / "sources.json").read_text())["files"]}
+    for shard in shards:
+        assert listed[shard.path] == {"path": shard.path, "role": "data_shard", "sha256": shard.sha256,
+                                      "copied": False}
+        assert not (outcome.record_dir / "frozen" / shard.path).exists()
+    assert (outcome.record_dir / "frozen" / "data" / "manifest.json").exists()
+
+
 def test_admitted_screen_refuses_a_changed_file(tmp_path):
     root = tree(tmp_path / "repo")
     a, _ = adm.admit(cfg_for(tmp_path), root=root)

@@ -475,6 +475,9 @@ def _copy_sources(record: Path, admission: adm_mod.Admission | None, root: Path)
     listing = []
     if admission is not None:
         for f in admission.files:
+            if f.role in adm_mod.UNCOPIED:  # shards: the admission keeps their hashes only (verified before this)
+                listing.append({"path": f.path, "role": f.role, "sha256": f.sha256, "copied": False})
+                continue
             sha = copy_once(admission.copy_path(f), record / "frozen" / f.path)
             listing.append({"path": f.path, "role": f.role, "sha256": sha})
         folder = "frozen"
