@@ -119,6 +119,31 @@ def plot_clocks(dmon_txt: Path, out: Path, name: str) -> Path:
     return _save(fig, out / name)
 
 
+def plot_kernel_classes(profiles: dict[str, Path], out: Path, name: str, note: str) -> Path:
+    """GPU time per update by kind of kernel (benchmarks/kernel_table.py's classes), one stacked bar a profile."""
+    import kernel_table
+
+    read = {label: kernel_table.read_profile(path) for label, path in profiles.items()}
+    classes = [c for c, _ in kernel_table.CLASSES] + ["other", "not among the listed rows"]
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    left = [0.0] * len(read)
+    colors = plt.get_cmap("tab20").colors
+    for i, c in enumerate(classes):
+        values = [r["by_class"].get(c, 0.0) for r in read.values()]
+        if not any(v > 0.5 for v in values):
+            continue
+        ax.barh(list(read), values, left=left, color=colors[i % len(colors)], label=c)
+        left = [a + b for a, b in zip(left, values)]
+    for y, r in enumerate(read.values()):
+        ax.text(r["busy_ms"] + 2, y, f"{r['busy_ms']:.1f} ms", va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("GPU busy ms per update (two profiled updates)")
+    ax.set_xlim(0, max(r["busy_ms"] for r in read.values()) * 1.12)
+    ax.set_title(f"Where the time goes ({note})", fontsize=9)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    return _save(fig, out / name)
+
+
 def plot_screens(records: Path, out: Path) -> Path:
     screens = sorted(p for p in records.iterdir() if (p / "rows.jsonl").exists())
     fig, axes = plt.subplots(1, len(screens), figsize=(4.2 * len(screens), 3.6), sharey=True)
@@ -230,6 +255,11 @@ def main() -> None:
     print(plot_ddp(results / "ddp_seed.json", out, "ddp_seed.png",
                    {"ddp_learned": results / "ddp_seed_learned.log"}))
     print(plot_screens(HERE / "screen_records", out))
+    print(plot_kernel_classes({"native, before the fused modules": results / "profile_native_busy_seed.txt",
+                               "native now": results / "profile_native_final_busy_seed.txt",
+                               "zero now": results / "profile_zero_final_busy_seed.txt",
+                               "learned now": results / "profile_learned_final_busy_seed.txt"},
+                              out, "kernel_table_seed.png", "seed preset, one H200"))
     (out / "fit").mkdir(exist_ok=True)
     print(plot_arms(HERE / "fit" / "cost" / "arms.json", out / "fit", "cost.png",
                     "fit study: synthetic and teacher updates per family"))
