@@ -415,11 +415,9 @@ def main() -> int:
         ap.error("--out is required")
     for name in args.arms.split(","):
         overrides_of(name)  # fail on a misspelt arm before any GPU time is spent
-    if not torch.cuda.is_available():
-        print("this benchmark needs a CUDA GPU", file=sys.stderr)
+    out = rt.gpu_benchmark_folder(args.out)
+    if out is None:
         return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     base = config_mod.load(args.preset, args.overrides)
     runtime = rt.resolve(base.train)
     base_peak = rt.measure_matmul_tflops(runtime)

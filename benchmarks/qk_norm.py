@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from creditlab.kernels import qk_norm_rotary as kernels  # noqa: E402
 from creditlab.model import Rotary, norm  # noqa: E402
 from creditlab.qk_norm import qk_norm_rotary  # noqa: E402
-from creditlab.runtime import cuda_ms  # noqa: E402
+from creditlab.runtime import cuda_ms, gpu_benchmark_folder  # noqa: E402
 
 
 
@@ -34,11 +34,9 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--tiles", action="store_true", help="time the kernels alone at every launch shape")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("this benchmark needs a CUDA GPU", file=sys.stderr)
+    out = gpu_benchmark_folder(args.out)
+    if out is None:
         return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     B, T, H, hd = args.batch, args.seq, args.heads, args.head_dim
     rot = Rotary(hd, T, 10_000.0).cuda()
     torch.manual_seed(0)

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from creditlab import relu2  # noqa: E402
 from creditlab.kernels import relu2_matmul as rm  # noqa: E402
-from creditlab.runtime import cuda_ms  # noqa: E402
+from creditlab.runtime import cuda_ms, gpu_benchmark_folder  # noqa: E402
 
 # The 128 x 256 x 64 tile with the epilogue in two halves is the only one whose derivative epilogue fits the
 # shared memory at three stages (results/relu2_mlp_configs_seed.md has the others).
@@ -41,11 +41,9 @@ def main() -> int:
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--hidden", type=int, default=2048)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("this benchmark needs a CUDA GPU", file=sys.stderr)
+    out = gpu_benchmark_folder(args.out)
+    if out is None:
         return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     M, d, m = args.tokens, args.width, args.hidden
     torch.manual_seed(0)
     x = torch.randn(M, d, device="cuda").bfloat16()

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from creditlab import kernels  # noqa: E402
 from creditlab.loss import softcap_ce_rows as torch_rows  # noqa: E402
-from creditlab.runtime import cuda_ms  # noqa: E402
+from creditlab.runtime import cuda_ms, gpu_benchmark_folder  # noqa: E402
 
 # (columns per step, warps, hardware tanh, pipeline stages of the row loop); 16,384 columns take a whole
 # seed-vocabulary row per step.
@@ -37,8 +37,8 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=12_289)
     ap.add_argument("--padded", type=int, default=12_352)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("this benchmark needs a CUDA GPU", file=sys.stderr)
+    out = gpu_benchmark_folder(args.out)
+    if out is None:
         return 2
     torch.manual_seed(0)
     logits = (torch.randn(args.rows, args.padded, device="cuda") * 10).bfloat16()
@@ -58,8 +58,6 @@ def main() -> int:
         ms = cuda_ms(run, 20, warmup=1)
         results.append({"impl": f"triton block {block} warps {warps} fast_tanh {int(fast)} stages {stages}", "ms": ms, "TB_per_s": gbytes / ms,
                         "grad_rel_err": err, "loss_rel_err": ((rows - ref_rows).abs() / ref_rows).max().item()})
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "softcap_ce.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": args.rows,
                                                      "padded": args.padded, "results": results}, indent=2))
     for r in results:

@@ -7,6 +7,7 @@ import hashlib
 import os
 import platform
 import subprocess
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -139,6 +140,17 @@ def peak_memory_mib(runtime: Runtime) -> tuple[float | None, float | None]:
 def reset_peak_memory(runtime: Runtime) -> None:
     if runtime.is_cuda:
         torch.cuda.reset_peak_memory_stats(runtime.device)
+
+
+def gpu_benchmark_folder(out: str) -> Path | None:
+    """A GPU benchmark's output folder, made; None, after saying so on stderr, where no CUDA GPU is visible
+    (the script then exits 2, having spent nothing)."""
+    if not torch.cuda.is_available():
+        print("this benchmark needs a CUDA GPU", file=sys.stderr)
+        return None
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def cuda_ms(fn, repeats: int = 30, warmup: int = 3) -> float:

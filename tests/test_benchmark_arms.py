@@ -73,3 +73,17 @@ def test_paired_differences_are_taken_round_by_round():
     median, lo, hi = arms.paired_ms(arm, base)
     assert median == pytest.approx(-10.0) and lo == pytest.approx(-10.0) and hi == pytest.approx(10.0)
     assert arms.paired_ms(arm[:-1], base) is None  # not the same rounds
+
+
+@pytest.mark.parametrize("script", ["arms", "softcap_ce", "qk_norm", "relu2_mlp"])
+def test_gpu_benchmarks_refuse_a_machine_without_cuda(script, tmp_path, monkeypatch, capsys):
+    """Exit 2 with one line, and no output folder made, where no CUDA GPU is visible."""
+    import sys
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--out", str(tmp_path / "out")])
+    assert load(script).main() == 2
+    assert capsys.readouterr().err.strip() == "this benchmark needs a CUDA GPU"
+    assert not (tmp_path / "out").exists()
