@@ -272,18 +272,15 @@ class CollectorTime:
         return total
 
 
-COLLECTOR = CollectorTime()
-
-
-def run_update(arm: dict, own: OwnMemory) -> None:
+def run_update(arm: dict, own: OwnMemory, collector: CollectorTime) -> None:
     """One timed update of an arm, its memory peak counted as if it ran alone (see OwnMemory), and the time
     Python's collector took during it."""
-    COLLECTOR.take()
+    collector.take()
     start = time.perf_counter()
     row = own.update(arm["name"], arm["trainer"].train_update)
     arm["wall_s"] += time.perf_counter() - start
     arm["rows"].append(row)
-    arm.setdefault("gc_s", []).append(COLLECTOR.take())
+    arm.setdefault("gc_s", []).append(collector.take())
 
 
 def summarize_arm(arm: dict) -> dict:
@@ -456,6 +453,7 @@ def main() -> int:
         diagnose(arm, out / f"profile_{name}.txt" if name in profiled else None,
                  out / f"memory_{name}.md" if name in traced else None)
 
+    collector = CollectorTime()
     if args.schedule == "sequential":
         for name in names:
             print(f"== arm {name}", flush=True)
@@ -466,7 +464,7 @@ def main() -> int:
             try:
                 arm = own.build(name, lambda: build_arm(name, base, init_state))
                 for _ in range(args.updates):
-                    run_update(arm, own)
+                    run_update(arm, own, collector)
                 results[name] = summarize_arm(arm)
                 diagnostics(arm)
             except torch.OutOfMemoryError as exc:
@@ -493,7 +491,7 @@ def main() -> int:
 
         def step(at) -> bool:
             try:
-                run_update(arms[at.arm], own)
+                run_update(arms[at.arm], own, collector)
                 return True
             except torch.OutOfMemoryError as exc:
                 release(arms[at.arm])
