@@ -94,3 +94,25 @@ def test_norm_backward_with_the_decode_inside_matches_float64_autograd(report, c
 
 def test_the_norm_decode_comparison_fails_without_the_correction(report):
     assert report["norm_decode_dropped"]["dx"] > 1e-2, report["norm_decode_dropped"]
+
+
+@pytest.mark.parametrize("case", ["fit_rows", "fit_rows_one_program"])
+def test_fit_rows_kernel_matches_float64_and_writes_every_element(report, case):
+    r = report[case]
+    assert r["all_written"], r
+    assert max(r[k] for k in ("gated", "code_grad", "gate_grad", "sums", "gram")) < 1e-5, r
+
+
+def test_the_fit_rows_comparison_fails_for_a_wrong_gate_derivative(report):
+    r = report["fit_rows_wrong_derivative"]
+    assert r["gate_grad"] > 1e-2 and r["code_grad"] < 1e-5, r
+
+
+def test_the_rank_space_fit_through_the_kernel_matches_its_float64_op_by_op_path(report):
+    r = report["rank_space_fit"]
+    assert r["launched"] == 1, r  # the kernel ran, not the fallback
+    assert max(r["errors"].values()) < 1e-5, r
+
+
+def test_the_fit_rows_operator_declares_its_shapes_truthfully(report):
+    assert report["fit_rows_opcheck"] and all(report["fit_rows_opcheck"].values()), report["fit_rows_opcheck"]

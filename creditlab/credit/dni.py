@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from creditlab.config import Config, CreditConfig
 from creditlab.credit.sources import FittedSource, InjectCredit
-from creditlab.credit.teacher import STATS, Teacher, _fit_dtypes, _moment_slots, _rank_space_fit
+from creditlab.credit.teacher import STATS, Teacher, _fit_dtypes, _moment_slots, rank_space_fit
 from creditlab.model import ExactCredit
 
 
@@ -91,14 +91,14 @@ class _FitLocal(torch.autograd.Function):
     def backward(ctx, true):
         n, gate, coded, decoder = ctx.saved_tensors
         acc, mm = _fit_dtypes(true, ctx.low_precision)
-        gate, coded = gate.to(acc), coded.to(acc)
-        d_decoder, d_gated, stats, gram, cross = _rank_space_fit(true, gate * coded, decoder, ctx.scale, acc, mm)
-        d_pre = torch.cat([d_gated * coded * gate * (1.0 - gate), d_gated * gate], dim=-1)  # (B, T, 4r)
-        d_gate_weight, d_code_weight = (d_pre.to(mm).flatten(0, 1).t() @ n.to(mm).flatten(0, 1)).chunk(2)
+        fit = rank_space_fit(true, gate, coded, decoder, ctx.scale, acc, mm)
+        d_pre = torch.cat([fit.gate_grad.to(mm), fit.code_grad.to(mm)], dim=-1)  # (B, T, 4r), before the factor
+        d_weights = fit.factor * (d_pre.flatten(0, 1).t() @ n.to(mm).flatten(0, 1)).to(acc)
+        d_gate_weight, d_code_weight = d_weights.chunk(2)
         dtype = decoder.dtype
-        moments = (gram, cross) if ctx.moments else (None, None)
-        return (true, d_gate_weight.to(dtype), d_code_weight.to(dtype), d_decoder.to(dtype), stats, *moments,
-                None, None)
+        moments = (fit.gram, fit.cross) if ctx.moments else (None, None)
+        return (true, d_gate_weight.to(dtype), d_code_weight.to(dtype), fit.d_decoder.to(dtype), fit.stats,
+                *moments, None, None)
 
 
 class LocalFitCredit(ExactCredit):

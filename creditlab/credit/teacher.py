@@ -14,18 +14,20 @@ so it compiles like any other step:
   projection and the mean gate once, after the backward, from the terminal error captured at the tap.
 
 The DNI rival is fitted the same way (credit/dni.py), its code computed from the branch input alone. Both fits
-share `_rank_space_fit`: the regression's gradient and statistics without forming a (B, T, d) prediction.
+share `rank_space_fit`: the regression's gradient and statistics without forming a (B, T, d) prediction.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from creditlab import runtime as rt
+from creditlab import kernels, runtime as rt
 from creditlab.config import CreditConfig
+from creditlab.kernels import fit_rows
 from creditlab.model import ExactCredit
 
 STATS = ("weighted_sq_error", "pred_dot_true", "pred_sq", "true_sq")
@@ -62,29 +64,78 @@ def wide_product(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype, mm: torch.d
     return (a @ b).to(acc)
 
 
-def _rank_space_fit(true: torch.Tensor, gated: torch.Tensor, decoder: torch.Tensor, scale: float,
-                    acc: torch.dtype, mm: torch.dtype):
-    """The regression of the prediction D gated (B, T, d) onto the true correction c, loss
-    scale * |D gated - c|^2 / |c|^2: its gradients for D and for gated, the branch's fit statistics, and the
-    least-squares moments: the features' Gram matrix gated^T gated (2r, 2r) and their cross moment c^T gated
+class RankSpaceFit(NamedTuple):
+    """One branch's regression of the prediction D gated onto its true correction c (`rank_space_fit`). The
+    token-wise gradients are given before the loss's scalar factor, 2 scale / |c|^2 (known only once every token
+    is summed): the loss's gradient for the code is factor * code_grad, for the gate's pre-activation
+    factor * gate_grad."""
+    d_decoder: torch.Tensor  # (d, 2r), factor included
+    code_grad: torch.Tensor  # (pred - c) D * gate, (..., 2r)
+    gate_grad: torch.Tensor  # (pred - c) D * code * gate (1 - gate), (..., 2r)
+    factor: torch.Tensor  # 2 scale / |c|^2, 0 where c is exactly zero
+    stats: torch.Tensor  # the columns of STATS
+    gram: torch.Tensor  # gated^T gated (2r, 2r)
+    cross: torch.Tensor  # c^T gated (d, 2r)
+
+
+def rank_space_fit(true: torch.Tensor, gate: torch.Tensor, code: torch.Tensor, decoder: torch.Tensor, scale: float,
+                   acc: torch.dtype, mm: torch.dtype) -> RankSpaceFit:
+    """The regression of the prediction D gated (B, T, d), gated = gate * code, onto the true correction c, loss
+    scale * |D gated - c|^2 / |c|^2: its gradients for D, the code and the gate, the branch's fit statistics, and
+    the least-squares moments: the features' Gram matrix gated^T gated (2r, 2r) and their cross moment c^T gated
     (d, 2r), whose solve D = (c^T gated)(gated^T gated)^-1 is the closed-form fit (credit.fit=lstsq).
 
     Everything is done in rank space: with M = D^T D, |pred|^2 = sum gated M gated and
-    <pred, c> = sum gated (c D). The (B, T, d) prediction and residual are never formed; the true correction is
-    read by two thin products and one sum."""
+    <pred, c> = sum gated (c D). The (B, T, d) prediction and residual are never formed. On CUDA one kernel reads
+    c once for c D and |c|^2 and does the token-wise rest on chip (kernels/fit_rows.py); c^T gated is a product of
+    its own. Elsewhere the same arithmetic op by op, which reads c three times."""
     D = decoder.to(acc)
-    c = true.to(mm)
-    c_decoded = (c @ D.to(mm)).to(acc)  # c D (B, T, 2r)
-    c_gated = (c.flatten(0, 1).t() @ gated.to(mm).flatten(0, 1)).to(acc)  # c^T gated (d, 2r)
-    true_sq = true.to(acc).square().sum()
-    gated_m = gated @ (D.t() @ D)  # gated M (B, T, 2r)
-    pred_sq, pred_dot_true = (gated_m * gated).sum(), (c_decoded * gated).sum()
-    # d(scale * |pred - c|^2 / |c|^2)/d(pred) = 2 scale (pred - c) / |c|^2, pulled back to D and to gated:
+    gram_weights = D.t() @ D  # M (2r, 2r)
+    if _fit_kernel_takes(true, code, acc, mm):
+        lead, r2 = true.shape[:-1], code.shape[-1]
+        c = true.to(mm).flatten(0, -2)
+        gated, code_grad, gate_grad, partial = fit_rows_op(c, gate.flatten(0, -2), code.flatten(0, -2), D.to(mm),
+                                                           gram_weights)
+        sums = partial.sum(0)
+        true_sq, pred_sq, pred_dot_true = sums[0], sums[1], sums[2]
+        gram = sums[fit_rows.SUMS:].view(r2, r2)
+        code_grad, gate_grad = code_grad.view(*lead, r2), gate_grad.view(*lead, r2)
+    else:
+        c = true.to(mm)
+        gate, code = gate.to(acc), code.to(acc)
+        gated = gate * code
+        c_decoded = (c @ D.to(mm)).to(acc)  # c D (B, T, 2r)
+        true_sq = true.to(acc).square().sum()
+        gated_m = gated @ gram_weights  # gated M (B, T, 2r)
+        pred_sq, pred_dot_true = (gated_m * gated).sum(), (c_decoded * gated).sum()
+        gram = gated.flatten(0, -2).t() @ gated.flatten(0, -2)  # gated^T gated (2r, 2r)
+        residual = gated_m - c_decoded  # (pred - c) D: d|pred - c|^2/d(gated), halved
+        code_grad, gate_grad = residual * gate, residual * code * gate * (1.0 - gate)
+        c, gated = c.flatten(0, -2), gated.flatten(0, -2)
+    cross = wide_product(c.t(), gated, acc, mm)  # c^T gated (d, 2r)
+    # d(scale * |pred - c|^2 / |c|^2)/d(pred) = 2 scale (pred - c) / |c|^2, pulled back to D (and, by the caller
+    # through the factor, to the code and the gate):
     factor = (2.0 * scale) * inverse_signal(true_sq)
-    gram = gated.flatten(0, 1).t() @ gated.flatten(0, 1)  # gated^T gated (2r, 2r)
-    d_decoder = factor * (D @ gram - c_gated)  # (pred - c)^T gated
-    d_gated = factor * (gated_m - c_decoded)  # (pred - c) D
-    return d_decoder, d_gated, fit_stats(pred_sq, pred_dot_true, true_sq), gram, c_gated
+    d_decoder = factor * (D @ gram - cross)  # (pred - c)^T gated
+    return RankSpaceFit(d_decoder, code_grad, gate_grad, factor, fit_stats(pred_sq, pred_dot_true, true_sq), gram,
+                        cross)
+
+
+def _fit_kernel_takes(true: torch.Tensor, code: torch.Tensor, acc: torch.dtype, mm: torch.dtype) -> bool:
+    return kernels.available(true) and acc == torch.float32 and fit_rows.takes(true.to(mm), code)
+
+
+@torch.library.custom_op("creditlab::fit_rows", mutates_args=())
+def fit_rows_op(c: torch.Tensor, gate: torch.Tensor, code: torch.Tensor, decoder: torch.Tensor,
+                gram_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return fit_rows.fit_rows(c, gate, code, decoder, gram_weights)
+
+
+@fit_rows_op.register_fake
+def _(c, gate, code, decoder, gram_weights):
+    tokens, r2 = code.shape
+    return (c.new_empty(tokens, r2), c.new_empty(tokens, r2, dtype=torch.float32), c.new_empty(tokens, r2),
+            c.new_empty(fit_rows.programs(tokens), fit_rows.SUMS + r2 * r2, dtype=torch.float32))
 
 
 class _FitBranch(torch.autograd.Function):
@@ -104,13 +155,11 @@ class _FitBranch(torch.autograd.Function):
     def backward(ctx, true, code):
         n, gate, decoder = ctx.saved_tensors
         acc, mm = _fit_dtypes(true, ctx.low_precision)
-        gate, code = gate.to(acc), code.to(acc)
-        d_decoder, d_gated, stats, gram, cross = _rank_space_fit(true, gate * code, decoder, ctx.scale, acc, mm)
-        d_gate_pre = d_gated * code * gate * (1.0 - gate)
-        d_gate_weight = d_gate_pre.to(mm).flatten(0, 1).t() @ n.to(mm).flatten(0, 1)  # (2r, d)
-        moments = (gram, cross) if ctx.moments else (None, None)
-        return (true, d_gate_weight.to(decoder.dtype), d_decoder.to(decoder.dtype), d_gated * gate, stats,
-                *moments, None, None)
+        fit = rank_space_fit(true, gate, code, decoder, ctx.scale, acc, mm)
+        d_gate_weight = fit.factor * (fit.gate_grad.to(mm).flatten(0, 1).t() @ n.to(mm).flatten(0, 1)).to(acc)
+        moments = (fit.gram, fit.cross) if ctx.moments else (None, None)
+        return (true, d_gate_weight.to(decoder.dtype), fit.d_decoder.to(decoder.dtype), fit.factor * fit.code_grad,
+                fit.stats, *moments, None, None)
 
 
 class FitCredit(ExactCredit):
