@@ -84,6 +84,7 @@ MODIFIERS = {
     "flash": ["train.sdpa=flash"],
     "cudnn": ["train.sdpa=cudnn"],
     "fit32": ["credit.fit_precision=float32"],
+    "plain_fit": ["credit.fit_rows=plain"],  # the teacher's regression op by op (the earlier default)
     "chunk4k": ["train.loss_chunk=4096"],
     "chunk16k": ["train.loss_chunk=16384"],
     "budget07": ["train.activation_budget=0.7"],

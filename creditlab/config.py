@@ -85,6 +85,9 @@ class CreditConfig:
     # The teacher's fit products over (B, T, d): "auto" runs them in the gradient's dtype (bf16 under autocast,
     # with float32 sums); "float32" always in float32 or better.
     fit_precision: str = "auto"
+    # fused: on CUDA each branch's regression reads its true correction once, in one Triton pass that does the
+    # token-wise arithmetic on chip (kernels/fit_rows.py); plain: the same arithmetic op by op
+    fit_rows: str = "fused"
     feedback_seed: int = 1234  # fixed random feedback of `dfa`
     # `dfa`'s scale: "none" (the random feedback as drawn) or "calibrated" (each branch's feedback scaled to the
     # RMS of its true corrections, measured on teacher updates: dfa then has teacher updates like a fitted source)
@@ -103,7 +106,7 @@ class CreditConfig:
 
 
 RECOMPUTE_PARTS = ("norm", "qk", "mlp")
-MLPS = ("fused", "plain")  # also the choices of model.qk and credit.decode
+MLPS = ("fused", "plain")  # also the choices of model.qk, credit.decode and credit.fit_rows
 NORMS = ("plain", "keep_output")
 MODEL_CHOICES = {"mlp": MLPS, "qk": MLPS, "norm": NORMS}
 # (key, value, recompute part, what it keeps): with model.<key>=<value> that part has nothing to recompute
@@ -382,6 +385,8 @@ def validate(cfg: Config) -> None:
             if c.schedule.startswith("adaptive") and not source.fits_with(cfg):
                 problems.append(f"credit.schedule={c.schedule}: adapts to the fit measured on teacher updates, and "
                                 f"credit.source={c.source} fits nothing; use fixed:K or warmup:N,K")
+    if c.fit_rows not in MLPS:
+        problems.append(f"credit.fit_rows must be one of {'|'.join(MLPS)}, got {c.fit_rows!r}")
     if c.decode not in MLPS:
         problems.append(f"credit.decode must be one of {'|'.join(MLPS)}, got {c.decode!r}")
     if c.fit_precision not in ("auto", "float32"):

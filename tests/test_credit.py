@@ -408,7 +408,7 @@ def test_low_precision_fit_products_match_float32_within_bf16_rounding():
     sinks = [torch.zeros(B, T, r2, requires_grad=True), torch.zeros(4, requires_grad=True)]
 
     def grads(low_precision: bool):
-        out, slot = _FitBranch.apply(n, gate_weight, decoder, *sinks, None, None, 1.0, low_precision)
+        out, slot = _FitBranch.apply(n, gate_weight, decoder, *sinks, None, None, 1.0, low_precision, False)
         return torch.autograd.grad((out, slot), (gate_weight, decoder, sinks[0], sinks[1]), (true, code))
 
     for low, ref in zip(grads(True), grads(False)):

@@ -80,39 +80,41 @@ class _FitLocal(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, n, gate_weight, code_weight, decoder, stats_sink, gram_sink, cross_sink, scale: float,
-                low_precision: bool):
+                low_precision: bool, fused: bool):
         """decoder: the effective s_b D_b; the caller's autograd carries its gradient on to D_b."""
         gate, coded = gate_and_code(n, gate_weight, code_weight)
         ctx.save_for_backward(n, gate, coded, decoder)
-        ctx.scale, ctx.low_precision, ctx.moments = scale, low_precision, gram_sink is not None
+        ctx.scale, ctx.low_precision, ctx.fused, ctx.moments = scale, low_precision, fused, gram_sink is not None
         return n.view_as(n)
 
     @staticmethod
     def backward(ctx, true):
         n, gate, coded, decoder = ctx.saved_tensors
         acc, mm = _fit_dtypes(true, ctx.low_precision)
-        fit = rank_space_fit(true, gate, coded, decoder, ctx.scale, acc, mm)
+        fit = rank_space_fit(true, gate, coded, decoder, ctx.scale, acc, mm, ctx.fused)
         d_pre = torch.cat([fit.gate_grad.to(mm), fit.code_grad.to(mm)], dim=-1)  # (B, T, 4r), before the factor
         d_weights = fit.factor * (d_pre.flatten(0, 1).t() @ n.to(mm).flatten(0, 1)).to(acc)
         d_gate_weight, d_code_weight = d_weights.chunk(2)
         dtype = decoder.dtype
         moments = (fit.gram, fit.cross) if ctx.moments else (None, None)
         return (true, d_gate_weight.to(dtype), d_code_weight.to(dtype), fit.d_decoder.to(dtype), fit.stats,
-                *moments, None, None)
+                *moments, None, None, None)
 
 
 class LocalFitCredit(ExactCredit):
     """Exact backprop that fits the DNI predictor on the fly: each branch's regression from its own input."""
 
     def __init__(self, dni, scale: float, stats_sink: torch.Tensor, low_precision: bool = False,
-                 moment_sinks=None):
+                 moment_sinks=None, fused: bool = True):
         self.dni, self.scale, self.stats_sink, self.low_precision = dni, scale, stats_sink, low_precision
+        self.fused = fused
         self.moment_sinks = moment_sinks
 
     def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
         d = self.dni
         return _FitLocal.apply(n, d.gates[index], d.codes[index], d.decoder(index), self.stats_sink[index],
-                               *_moment_slots(self.moment_sinks, index), self.scale, self.low_precision)
+                               *_moment_slots(self.moment_sinks, index), self.scale, self.low_precision,
+                               self.fused)
 
 
 class DNITeacher(Teacher):
@@ -125,7 +127,7 @@ class DNITeacher(Teacher):
         self.solved: torch.Tensor | None = None  # the effective decoders solved this update (lstsq)
 
     def fit_credit(self, trainer, inputs, scale, stats_sink, moment_sinks) -> LocalFitCredit:
-        return LocalFitCredit(self.module, scale, stats_sink, self.low_precision, moment_sinks)
+        return LocalFitCredit(self.module, scale, stats_sink, self.low_precision, moment_sinks, self.fused)
 
     def effective_decoders(self) -> torch.Tensor:
         return self.module.scales[:, None, None] * self.decoders.detach()

@@ -79,19 +79,19 @@ class RankSpaceFit(NamedTuple):
 
 
 def rank_space_fit(true: torch.Tensor, gate: torch.Tensor, code: torch.Tensor, decoder: torch.Tensor, scale: float,
-                   acc: torch.dtype, mm: torch.dtype) -> RankSpaceFit:
+                   acc: torch.dtype, mm: torch.dtype, fused: bool = True) -> RankSpaceFit:
     """The regression of the prediction D gated (B, T, d), gated = gate * code, onto the true correction c, loss
     scale * |D gated - c|^2 / |c|^2: its gradients for D, the code and the gate, the branch's fit statistics, and
     the least-squares moments: the features' Gram matrix gated^T gated (2r, 2r) and their cross moment c^T gated
     (d, 2r), whose solve D = (c^T gated)(gated^T gated)^-1 is the closed-form fit (credit.fit=lstsq).
 
     Everything is done in rank space: with M = D^T D, |pred|^2 = sum gated M gated and
-    <pred, c> = sum gated (c D). The (B, T, d) prediction and residual are never formed. On CUDA one kernel reads
-    c once for c D and |c|^2 and does the token-wise rest on chip (kernels/fit_rows.py); c^T gated is a product of
-    its own. Elsewhere the same arithmetic op by op, which reads c three times."""
+    <pred, c> = sum gated (c D). The (B, T, d) prediction and residual are never formed. `fused` on CUDA: one
+    kernel reads c once for c D and |c|^2 and does the token-wise rest on chip (kernels/fit_rows.py); c^T gated is
+    a product of its own. Otherwise the same arithmetic op by op, which reads c three times."""
     D = decoder.to(acc)
     gram_weights = D.t() @ D  # M (2r, 2r)
-    if _fit_kernel_takes(true, code, acc, mm):
+    if fused and _fit_kernel_takes(true, code, acc, mm):
         lead, r2 = true.shape[:-1], code.shape[-1]
         c = true.to(mm).flatten(0, -2)
         gated, code_grad, gate_grad, partial = fit_rows_op(c, gate.flatten(0, -2), code.flatten(0, -2), D.to(mm),
@@ -144,30 +144,30 @@ class _FitBranch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, n, gate_weight, decoder, code_sink, stats_sink, gram_sink, cross_sink, scale: float,
-                low_precision: bool):
+                low_precision: bool, fused: bool):
         """gram_sink and cross_sink (or None): zero-valued slots whose gradients are the least-squares moments."""
         gate = torch.sigmoid(n @ gate_weight.to(n.dtype).t())  # (B, T, 2r), a forward state
         ctx.save_for_backward(n, gate, decoder)
-        ctx.scale, ctx.low_precision, ctx.moments = scale, low_precision, gram_sink is not None
+        ctx.scale, ctx.low_precision, ctx.fused, ctx.moments = scale, low_precision, fused, gram_sink is not None
         return n.view_as(n), n.new_zeros(gate.shape)
 
     @staticmethod
     def backward(ctx, true, code):
         n, gate, decoder = ctx.saved_tensors
         acc, mm = _fit_dtypes(true, ctx.low_precision)
-        fit = rank_space_fit(true, gate, code, decoder, ctx.scale, acc, mm)
+        fit = rank_space_fit(true, gate, code, decoder, ctx.scale, acc, mm, ctx.fused)
         d_gate_weight = fit.factor * (fit.gate_grad.to(mm).flatten(0, 1).t() @ n.to(mm).flatten(0, 1)).to(acc)
         moments = (fit.gram, fit.cross) if ctx.moments else (None, None)
         return (true, d_gate_weight.to(decoder.dtype), fit.d_decoder.to(decoder.dtype), fit.factor * fit.code_grad,
-                fit.stats, *moments, None, None)
+                fit.stats, *moments, None, None, None)
 
 
 class FitCredit(ExactCredit):
     """Exact backprop that fits the learned predictor on the fly (see the module docstring)."""
 
     def __init__(self, predictor, scale: float, code_sink: torch.Tensor, stats_sink: torch.Tensor,
-                 error_probe: torch.Tensor, low_precision: bool = False, moment_sinks=None):
-        self.predictor, self.scale, self.low_precision = predictor, scale, low_precision
+                 error_probe: torch.Tensor, low_precision: bool = False, moment_sinks=None, fused: bool = True):
+        self.predictor, self.scale, self.low_precision, self.fused = predictor, scale, low_precision, fused
         self.code_sink, self.stats_sink, self.error_probe = code_sink, stats_sink, error_probe
         self.moment_sinks = moment_sinks
         self.total = None
@@ -178,7 +178,7 @@ class FitCredit(ExactCredit):
         code_sink = self.code_sink[..., p.code_slice(index)]  # this branch's part of the code
         n_omit, slot = _FitBranch.apply(n, p.state_gates[index], p.decoders[index], code_sink,
                                         self.stats_sink[index], *_moment_slots(self.moment_sinks, index),
-                                        self.scale, self.low_precision)
+                                        self.scale, self.low_precision, self.fused)
         slot = p.widen(index, slot)
         self.total = slot if self.total is None else self.total + slot
         return n_omit
@@ -248,6 +248,7 @@ class Teacher(Teaching):
         self.module, self.decoders = module, decoders
         self.optimizer = torch.optim.Adam(module.parameters(), lr=cfg.predictor_lr, betas=(0.9, 0.99))
         self.low_precision = cfg.fit_precision == "auto"
+        self.fused = cfg.fit_rows == "fused"
         self.stats: list[torch.Tensor] = []
         # credit.fit=lstsq: the decoders are solved, not stepped. Per branch, the Gram matrix of the features and
         # their cross moment with the true correction, summed over this update's micro-batches, then each update's
@@ -383,7 +384,7 @@ class LearnedTeacher(Teacher):
         # In the residual stream's dtype: e arrives in it, and a wider copy would only move more bytes.
         probe_dtype = trainer.runtime.autocast_dtype or self.dtype
         error_probe = torch.zeros(B, T, p.decoders.shape[1], **sinks | {"dtype": probe_dtype})
-        return FitCredit(p, scale, code_sink, stats_sink, error_probe, self.low_precision, moment_sinks)
+        return FitCredit(p, scale, code_sink, stats_sink, error_probe, self.low_precision, moment_sinks, self.fused)
 
     def after_backward(self, trainer, credit: FitCredit) -> None:
         if credit.code_sink.grad is None or credit.error_probe.grad is None:
