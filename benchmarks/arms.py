@@ -451,8 +451,9 @@ def main() -> int:
 
     def diagnostics(arm: dict) -> None:
         name = arm["name"]
-        diagnose(arm, out / f"profile_{name}.txt" if name in profiled else None,
-                 out / f"memory_{name}.md" if name in traced else None)
+        stem = name.replace("+", "-")  # file names of plain characters
+        diagnose(arm, out / f"profile_{stem}.txt" if name in profiled else None,
+                 out / f"memory_{stem}.md" if name in traced else None)
 
     collector = CollectorTime()
     if args.schedule == "sequential":

@@ -94,7 +94,7 @@ def rank_space_fit(true: torch.Tensor, gate: torch.Tensor, code: torch.Tensor, d
     if fused and _fit_kernel_takes(true, code, acc, mm):
         lead, r2 = true.shape[:-1], code.shape[-1]
         c = true.to(mm).flatten(0, -2)
-        gated, code_grad, gate_grad, partial = fit_rows_op(c, gate.flatten(0, -2), code.flatten(0, -2), D.to(mm),
+        gated, code_grad, gate_grad, partial = fit_rows.fit_rows_op(c, gate.flatten(0, -2), code.flatten(0, -2), D.to(mm),
                                                            gram_weights)
         sums = partial.sum(0)
         true_sq, pred_sq, pred_dot_true = sums[0], sums[1], sums[2]
@@ -123,19 +123,6 @@ def rank_space_fit(true: torch.Tensor, gate: torch.Tensor, code: torch.Tensor, d
 
 def _fit_kernel_takes(true: torch.Tensor, code: torch.Tensor, acc: torch.dtype, mm: torch.dtype) -> bool:
     return kernels.available(true) and acc == torch.float32 and fit_rows.takes(true.to(mm), code)
-
-
-@torch.library.custom_op("creditlab::fit_rows", mutates_args=())
-def fit_rows_op(c: torch.Tensor, gate: torch.Tensor, code: torch.Tensor, decoder: torch.Tensor,
-                gram_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return fit_rows.fit_rows(c, gate, code, decoder, gram_weights)
-
-
-@fit_rows_op.register_fake
-def _(c, gate, code, decoder, gram_weights):
-    tokens, r2 = code.shape
-    return (c.new_empty(tokens, r2), c.new_empty(tokens, r2, dtype=torch.float32), c.new_empty(tokens, r2),
-            c.new_empty(fit_rows.programs(tokens), fit_rows.SUMS + r2 * r2, dtype=torch.float32))
 
 
 class _FitBranch(torch.autograd.Function):

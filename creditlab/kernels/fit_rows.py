@@ -31,7 +31,7 @@ class FitTiles:
     block_k: int = 64  # columns of c per step of the c D product
     tiles: int = 8  # tiles per program: the partial sums get one row per rows * tiles tokens
     warps: int = 8
-    stages: int = 3
+    stages: int = 4
 
 
 DEFAULT_TILES = FitTiles()
@@ -42,7 +42,7 @@ if triton is not None:
     @triton.jit
     def _fit_rows(c, gate, code, decoder, gram_weights, gated_out, code_grad, gate_grad, partial, tokens,
                   D: tl.constexpr, R2: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr, TILES: tl.constexpr,
-                  STAGES: tl.constexpr):
+                  STAGES: tl.constexpr, SUMS: tl.constexpr):
         pid = tl.program_id(0)
         ks = tl.arange(0, R2)
         m = tl.load(gram_weights + ks[:, None] * R2 + ks[None, :])  # D^T D (R2, R2), float32
@@ -97,16 +97,35 @@ def fit_rows(c: torch.Tensor, gate: torch.Tensor, code: torch.Tensor, decoder: t
     """(gated, code_grad, gate_grad, partial) from c (tokens, d), gate and code (tokens, 2r), decoder (d, 2r) and
     gram_weights = D^T D (2r, 2r) float32. gated in c's dtype; code_grad float32; gate_grad in c's dtype (it
     feeds a product in that dtype); partial (programs, 3 + (2r)^2) float32, see SUMS. `out`: the four outputs,
-    preallocated (the tests poison them)."""
+    preallocated (the tests poison them). The kernel launched directly; the compiled teacher calls
+    `fit_rows_op`."""
+    return _run(_fit_rows, c, gate, code, decoder, gram_weights, tiles, out)
+
+
+def _run(kernel, c, gate, code, decoder, gram_weights, tiles=None, out=None):
     tokens, d = c.shape
     r2, tiles = code.shape[1], tiles or DEFAULT_TILES
     if out is None:
-        n_programs = programs(tokens, tiles)
         out = (c.new_empty(tokens, r2), torch.empty(tokens, r2, dtype=torch.float32, device=c.device),
-               c.new_empty(tokens, r2), torch.empty(n_programs, SUMS + r2 * r2, dtype=torch.float32, device=c.device))
+               c.new_empty(tokens, r2),
+               torch.empty(programs(tokens, tiles), SUMS + r2 * r2, dtype=torch.float32, device=c.device))
     gated, code_grad, gate_grad, partial = out
-    _fit_rows[(partial.shape[0],)](
+    kernel[(partial.shape[0],)](
         c.contiguous(), gate.contiguous(), code.contiguous(), decoder.to(c.dtype).contiguous(),
         gram_weights.float().contiguous(), gated, code_grad, gate_grad, partial, tokens, D=d, R2=r2,
-        ROWS=tiles.rows, BK=tiles.block_k, TILES=tiles.tiles, STAGES=tiles.stages, num_warps=tiles.warps)
+        ROWS=tiles.rows, BK=tiles.block_k, TILES=tiles.tiles, STAGES=tiles.stages, SUMS=SUMS,
+        num_warps=tiles.warps)
     return gated, code_grad, gate_grad, partial
+
+
+if triton is not None:
+
+    @torch.library.triton_op("creditlab::fit_rows", mutates_args=())
+    def fit_rows_op(c: torch.Tensor, gate: torch.Tensor, code: torch.Tensor, decoder: torch.Tensor,
+                    gram_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`fit_rows` as the compiler sees it: a Triton operator, which the compiled backward launches from its own
+        code (an opaque custom operator costs a Python dispatch and launch per call, and the teacher makes one
+        per branch and micro-batch)."""
+        # the interpreter (CPU tensors) runs the kernel as it is; wrap_triton needs a compiled one
+        kernel = _fit_rows if c.device.type == "cpu" else torch.library.wrap_triton(_fit_rows)
+        return _run(kernel, c, gate, code, decoder, gram_weights)
