@@ -116,3 +116,26 @@ def test_the_rank_space_fit_through_the_kernel_matches_its_float64_op_by_op_path
 
 def test_the_fit_rows_operator_declares_its_shapes_truthfully(report):
     assert report["fit_rows_opcheck"] and all(report["fit_rows_opcheck"].values()), report["fit_rows_opcheck"]
+
+
+def test_the_fit_rows_kernel_compiles_for_hopper():
+    """Through Triton's whole compiler to a cubin for sm_90 with the seed shape's constants, on the CPU: what the
+    interpreter lets pass (a global that is not a constexpr, a shape past the shared memory) fails here."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile as triton_compile
+
+    from creditlab.kernels import fit_rows
+
+    pointers = {"c": "*bf16", "gate": "*bf16", "code": "*bf16", "decoder": "*bf16", "gram_weights": "*fp32",
+                "gated_out": "*bf16", "code_grad": "*fp32", "gate_grad": "*bf16", "partial": "*fp32", "tokens": "i32"}
+    tiles = fit_rows.DEFAULT_TILES
+    constants = {"D": 512, "R2": 64, "ROWS": tiles.rows, "TILES": tiles.tiles, "SUMS": fit_rows.SUMS}
+    source = ASTSource(fn=fit_rows._fit_rows, signature=pointers | dict.fromkeys(constants, "constexpr"),
+                       constexprs=constants)
+    try:
+        compiled = triton_compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": tiles.warps})
+    except RuntimeError as error:  # no ptxas in this Triton install
+        if "ptxas" in str(error):
+            pytest.skip(str(error))
+        raise
+    assert compiled.asm["cubin"] and compiled.metadata.shared <= 227 * 1024
