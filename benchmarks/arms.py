@@ -70,7 +70,6 @@ MODIFIERS = {
     "tuned": ["train.compile_mode=coordinate-descent"],
     "autotune": ["train.compile_mode=max-autotune-no-cudagraphs"],
     "eager": ["train.compile=off"],
-    "graphs": ["train.compile_mode=reduce-overhead"],  # compiled graphs replayed as CUDA graphs
     "plain_mlp": ["model.mlp=plain", "model.recompute=mlp"],  # ReLU^2 op by op, recomputed (the earlier default)
     "fused_qk": ["model.qk=fused"],
     "plain_qk": ["model.qk=plain"],  # QK-norm and rotary op by op (the earlier default)

@@ -78,9 +78,10 @@ def main() -> int:
 def tiles(true, gate, code, decoder, m, path: Path) -> None:
     """The kernel alone at each launch shape around the default."""
     base = fit_rows.DEFAULT_TILES
-    shapes = [dataclasses.replace(base, rows=rows, warps=warps) for rows in (32, 64, 128) for warps in (4, 8)]
+    shapes = [dataclasses.replace(base, rows=rows, warps=warps, block_k=block_k)
+              for rows in (32, 64, 128) for warps in (4, 8) for block_k in (64, 128)]
     shapes += [dataclasses.replace(base, tiles=t) for t in (2, 4, 16)]
-    shapes += [dataclasses.replace(base, rows=32, tiles=t) for t in (16, 32)]
+    shapes += [dataclasses.replace(base, stages=s) for s in (1, 2, 4)]
     lines = []
     for shape in shapes:
         try:

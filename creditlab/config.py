@@ -132,7 +132,7 @@ def parse_recompute(spec: str) -> frozenset[str]:
     return parts
 
 
-COMPILE_MODES = ("default", "coordinate-descent", "max-autotune-no-cudagraphs", "reduce-overhead")
+COMPILE_MODES = ("default", "coordinate-descent", "max-autotune-no-cudagraphs")
 
 
 @dataclass
@@ -153,8 +153,7 @@ class TrainConfig:
     loss_chunk: int = 8_192
     compile: str = "auto"  # auto (on CUDA) | on | off
     compile_mode: str = "default"  # default | coordinate-descent (tune fused kernels' launch configs) |
-    # max-autotune-no-cudagraphs (also Triton matmuls with fused epilogues; compiles for many minutes) |
-    # reduce-overhead (each compiled graph replayed as a CUDA graph: no launch cost per kernel)
+    # max-autotune-no-cudagraphs (also Triton matmuls with fused epilogues; compiles for many minutes)
     sdpa: str = "auto"  # attention kernel: auto | flash | cudnn | efficient | math
     activation_budget: float = 1.0  # < 1: ask the compiler to recompute activations to fit this fraction
     device: str = "auto"  # auto | cpu | cuda

@@ -105,7 +105,7 @@ class Trainer:
         with self.runtime.autocast():
             loss = self._forward(inputs, targets, credit=credit, loss_chunk=self.cfg.train.loss_chunk)
         (loss * scale).backward()
-        return loss.detach().clone()  # a graph replayed (compile_mode=reduce-overhead) reuses its output's memory
+        return loss.detach()
 
     def update_kind(self, update: int) -> str:
         return self.plan.kind(update)

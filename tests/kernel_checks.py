@@ -234,7 +234,7 @@ def fit_rows_errors(tokens, d, r2, seed=0, wrong_gate_derivative=False):
     gate (1 - gate)."""
     from creditlab.kernels import fit_rows
 
-    tiles = fit_rows.FitTiles(rows=16, tiles=2, warps=4)
+    tiles = fit_rows.FitTiles(rows=16, block_k=16, tiles=2, warps=4, stages=2)
     g = torch.Generator().manual_seed(seed)
     c = torch.randn(tokens, d, generator=g)
     gate, code = torch.rand(tokens, r2, generator=g), torch.randn(tokens, r2, generator=g)
@@ -270,7 +270,7 @@ def rank_space_fit_through_kernel():
     launched = []
     real = fit_rows._run
     fit_rows._run = lambda *a, **k: launched.append(1) or real(*a, **k)
-    fit_rows.DEFAULT_TILES = fit_rows.FitTiles(16, 2, 4)  # several programs at these shapes
+    fit_rows.DEFAULT_TILES = fit_rows.FitTiles(16, 16, 2, 4, 2)  # several programs at these shapes
     try:
         g = torch.Generator().manual_seed(4)
         B, T, d, r2 = 2, 37, 32, 16
@@ -295,7 +295,7 @@ def fit_rows_opcheck():
     fake check would run the kernel on fake tensors, so it is not run here.)"""
     from creditlab.kernels import fit_rows
 
-    tiles, fit_rows.DEFAULT_TILES = fit_rows.DEFAULT_TILES, fit_rows.FitTiles(16, 2, 4)
+    tiles, fit_rows.DEFAULT_TILES = fit_rows.DEFAULT_TILES, fit_rows.FitTiles(16, 16, 2, 4, 2)
     try:
         g = torch.Generator().manual_seed(5)
         c, decoder = torch.randn(40, 32, generator=g), torch.randn(32, 16, generator=g)

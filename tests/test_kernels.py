@@ -129,7 +129,8 @@ def test_the_fit_rows_kernel_compiles_for_hopper():
     pointers = {"c": "*bf16", "gate": "*bf16", "code": "*bf16", "decoder": "*bf16", "gram_weights": "*fp32",
                 "gated_out": "*bf16", "code_grad": "*fp32", "gate_grad": "*bf16", "partial": "*fp32", "tokens": "i32"}
     tiles = fit_rows.DEFAULT_TILES
-    constants = {"D": 512, "R2": 64, "ROWS": tiles.rows, "TILES": tiles.tiles, "SUMS": fit_rows.SUMS}
+    constants = {"D": 512, "R2": 64, "ROWS": tiles.rows, "BK": tiles.block_k, "TILES": tiles.tiles,
+                 "STAGES": tiles.stages, "SUMS": fit_rows.SUMS}
     source = ASTSource(fn=fit_rows._fit_rows, signature=pointers | dict.fromkeys(constants, "constexpr"),
                        constexprs=constants)
     try:

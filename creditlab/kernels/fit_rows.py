@@ -4,7 +4,7 @@ The teacher regresses the prediction D gated (tokens, d) onto the true correctio
 (`credit.teacher.rank_space_fit`): per token it needs c D and gated M (M = D^T D), and over all tokens |c|^2,
 |pred|^2, <pred, c> and the features' Gram matrix. The compiler's version reads c three times (c D, |c|^2, and
 c^T gated) and makes a split reduction over a dozen (tokens, 2r) float32 tensors. This kernel reads each tile of
-c once for c D and |c|^2 (whole, the next tile's load issued before this one's arithmetic), forms gated = gate * code on chip, and writes only what the rest of the fit reads: gated
+c once for c D and |c|^2, forms gated = gate * code on chip, and writes only what the rest of the fit reads: gated
 (for c^T gated, a product of its own) and the two token-wise gradients of the regression before its scalar
 factor 2 scale / |c|^2, which is known only once every tile is summed:
 
@@ -27,9 +27,13 @@ SUMS = 3  # partial's leading columns: |c|^2, |pred|^2, <pred, c>; then the (2r,
 
 @dataclass(frozen=True)
 class FitTiles:
-    rows: int = 64  # tokens per tile: the whole (rows, d) tile of c is loaded at once
+    rows: int = 64  # tokens per tile
+    # columns of c per step of the c D product; a whole (rows, d) tile per step, with the next tile's load issued
+    # ahead, ran at half the speed (benchmarks/predictor_cost.md)
+    block_k: int = 64
     tiles: int = 8  # tiles per program: the partial sums get one row per rows * tiles tokens
     warps: int = 8
+    stages: int = 4
 
 
 DEFAULT_TILES = FitTiles()
@@ -39,27 +43,25 @@ if triton is not None:
 
     @triton.jit
     def _fit_rows(c, gate, code, decoder, gram_weights, gated_out, code_grad, gate_grad, partial, tokens,
-                  D: tl.constexpr, R2: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr, SUMS: tl.constexpr):
+                  D: tl.constexpr, R2: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr, TILES: tl.constexpr,
+                  STAGES: tl.constexpr, SUMS: tl.constexpr):
         pid = tl.program_id(0)
         ks = tl.arange(0, R2)
-        cols = tl.arange(0, D)
         m = tl.load(gram_weights + ks[:, None] * R2 + ks[None, :])  # D^T D (R2, R2), float32
-        dec = tl.load(decoder + cols[:, None] * R2 + ks[None, :])  # D (D, R2), once per program
         gram = tl.zeros([R2, R2], tl.float32)
         c_sq = tl.zeros([ROWS], tl.float32)
         pred_sq = tl.zeros([ROWS], tl.float32)
         pred_dot = tl.zeros([ROWS], tl.float32)
-        rows = (pid * TILES * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-        ct = tl.load(c + rows[:, None] * D + cols[None, :], mask=(rows < tokens)[:, None], other=0.0)
         for tile in range(TILES):
+            rows = ((pid * TILES + tile) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
             valid = rows < tokens
-            # the next tile's load is issued before this tile's arithmetic, so that the two overlap
-            ahead = rows + ROWS
-            ct_next = tl.load(c + ahead[:, None] * D + cols[None, :],
-                              mask=((ahead < tokens) & (tile + 1 < TILES))[:, None], other=0.0)
-            decoded = tl.dot(ct, dec)  # c D (ROWS, R2), float32 accumulation
-            cf = ct.to(tl.float32)
-            c_sq += tl.sum(cf * cf, axis=1)
+            decoded = tl.zeros([ROWS, R2], tl.float32)  # c D
+            for k0 in tl.range(0, D, BK, num_stages=STAGES):
+                kk = k0 + tl.arange(0, BK)
+                ct = tl.load(c + rows[:, None] * D + kk[None, :], mask=valid[:, None], other=0.0)
+                decoded = tl.dot(ct, tl.load(decoder + kk[:, None] * R2 + ks[None, :]), decoded)
+                cf = ct.to(tl.float32)
+                c_sq += tl.sum(cf * cf, axis=1)
             small = rows[:, None] * R2 + ks[None, :]
             g = tl.load(gate + small, mask=valid[:, None], other=0.0).to(tl.float32)
             x = tl.load(code + small, mask=valid[:, None], other=0.0).to(tl.float32)
@@ -72,8 +74,6 @@ if triton is not None:
             tl.store(gated_out + small, gated.to(gated_out.dtype.element_ty), mask=valid[:, None])
             tl.store(code_grad + small, (u * g).to(code_grad.dtype.element_ty), mask=valid[:, None])
             tl.store(gate_grad + small, (u * x * g * (1.0 - g)).to(gate_grad.dtype.element_ty), mask=valid[:, None])
-            ct = ct_next
-            rows = ahead
         row = partial + pid * (SUMS + R2 * R2)
         tl.store(row, tl.sum(c_sq, axis=0))
         tl.store(row + 1, tl.sum(pred_sq, axis=0))
@@ -81,12 +81,12 @@ if triton is not None:
         tl.store(row + SUMS + ks[:, None] * R2 + ks[None, :], gram)
 
 
-def takes(c: torch.Tensor, code: torch.Tensor) -> bool:
-    """Whether the kernel computes these shapes and dtypes (the device is the caller's to check): power-of-two
-    widths, the code's at least 16 (tl.dot), c's at most 1,024 (a tile of c is held whole)."""
-    d, r2 = c.shape[-1], code.shape[-1]
+def takes(c: torch.Tensor, code: torch.Tensor, tiles: FitTiles | None = None) -> bool:
+    """Whether the kernel computes these shapes and dtypes (the device is the caller's to check): a width that is a
+    multiple of block_k and a power-of-two code width of at least 16 (tl.dot)."""
+    d, r2, tiles = c.shape[-1], code.shape[-1], tiles or DEFAULT_TILES
     return (triton is not None and c.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and d & (d - 1) == 0 and 16 <= d <= 1024 and r2 & (r2 - 1) == 0 and r2 >= 16)
+            and d % tiles.block_k == 0 and r2 & (r2 - 1) == 0 and r2 >= 16)
 
 
 def programs(tokens: int, tiles: FitTiles | None = None) -> int:
@@ -115,7 +115,8 @@ def _run(kernel, c, gate, code, decoder, gram_weights, tiles=None, out=None):
     kernel[(partial.shape[0],)](
         c.contiguous(), gate.contiguous(), code.contiguous(), decoder.to(c.dtype).contiguous(),
         gram_weights.float().contiguous(), gated, code_grad, gate_grad, partial, tokens, D=d, R2=r2,
-        ROWS=tiles.rows, TILES=tiles.tiles, SUMS=SUMS, num_warps=tiles.warps)
+        ROWS=tiles.rows, BK=tiles.block_k, TILES=tiles.tiles, STAGES=tiles.stages, SUMS=SUMS,
+        num_warps=tiles.warps)
     return gated, code_grad, gate_grad, partial
 
 
