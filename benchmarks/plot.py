@@ -194,6 +194,9 @@ ARMS_FIGURES = [
     ("arms_host_seed.json", "arms_host_seed.png", "micro-batches made ahead and the collector paused, vs in line"),
     ("arms_final_seed.json", "arms_final_seed.png", "fused MLP, QK-norm and norms keeping their output (defaults)"),
     ("arms_final_seed.json", "arms_final_rows_seed.png", None),
+    ("arms_fit_rows_seed.json", "arms_fit_rows_seed.png", "teacher: the fit's token-wise pass in one kernel vs op by op"),
+    ("arms_fit_rows_second_seed.json", "arms_fit_rows_second_seed.png", "the same, a second process"),
+    ("arms_fit_rows_seed.json", "arms_fit_rows_rows_seed.png", None),
 ]
 
 
