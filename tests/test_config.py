@@ -137,6 +137,8 @@ def test_bad_values_raise_a_clear_error(override, words):
     (["train.cooldown_frac=1.5"], "cooldown_frac"),
     (["credit.rank=0"], "credit.rank"),
     (["credit.teacher_every=-1"], "teacher_every"),
+    (["credit.fit_rows=triton"], "credit.fit_rows"),
+    (["credit.decode=inside"], "credit.decode"),
 ])
 def test_invalid_combinations_are_rejected(overrides, fragment):
     with pytest.raises(ConfigError, match="invalid config") as exc:

@@ -131,8 +131,9 @@ def test_the_fit_rows_kernel_compiles_for_hopper():
     tiles = fit_rows.DEFAULT_TILES
     constants = {"D": 512, "R2": 64, "ROWS": tiles.rows, "BK": tiles.block_k, "TILES": tiles.tiles,
                  "STAGES": tiles.stages, "SUMS": fit_rows.SUMS}
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers))}  # as the JIT specializes them
     source = ASTSource(fn=fit_rows._fit_rows, signature=pointers | dict.fromkeys(constants, "constexpr"),
-                       constexprs=constants)
+                       constexprs=constants, attrs=aligned)
     try:
         compiled = triton_compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": tiles.warps})
     except RuntimeError as error:  # no ptxas in this Triton install
