@@ -118,24 +118,47 @@ def test_the_fit_rows_operator_declares_its_shapes_truthfully(report):
     assert report["fit_rows_opcheck"] and all(report["fit_rows_opcheck"].values()), report["fit_rows_opcheck"]
 
 
-def test_the_fit_rows_kernel_compiles_for_hopper():
-    """Through Triton's whole compiler to a cubin for sm_90 with the seed shape's constants, on the CPU: what the
+def _hopper_cases():
+    """(kernel, its arguments' types in order, constants, warps) at the seed shape, for the kernels that take plain
+    pointers (the fused MLP's takes TMA descriptors, made on a GPU)."""
+    from creditlab.kernels import fit_rows, norm_decode, qk_norm_rotary as qk, softcap_ce
+
+    tiles = fit_rows.DEFAULT_TILES
+    return {
+        "fit_rows": (fit_rows._fit_rows, ["*bf16"] * 4 + ["*fp32", "*bf16", "*fp32", "*bf16", "*fp32", "i32"],
+                     {"D": 512, "R2": 64, "ROWS": tiles.rows, "BK": tiles.block_k, "TILES": tiles.tiles,
+                      "STAGES": tiles.stages, "SUMS": fit_rows.SUMS}, tiles.warps),
+        "qk_forward": (qk._qk_forward, ["*bf16"] * 4 + ["*fp32"] * 3 + ["i32", "i32", "fp32"],
+                       {"H": 4, "HD": 128, "ROWS": qk.ROWS}, qk.WARPS),
+        "qk_backward": (qk._qk_backward, ["*bf16"] * 5 + ["*fp32"] * 3 + ["*bf16", "i32", "i32"],
+                        {"H": 4, "HD": 128, "ROWS": qk.BACKWARD_ROWS}, qk.BACKWARD_WARPS),
+        "softcap_ce": (softcap_ce._softcap_ce_rows, ["*bf16", "*bf16", "*i64", "*fp32", "i32", "fp32", "fp32"],
+                       {"vocab": 12289, "padded": 12352, "BLOCK": softcap_ce.DEFAULT_BLOCK, "FAST": True,
+                        "STAGES": softcap_ce.DEFAULT_STAGES}, softcap_ce.DEFAULT_WARPS),
+        "norm_decode": (norm_decode._norm_decode_backward, ["*bf16", "*bf16", "*fp32", "*bf16", "*bf16", "*bf16",
+                                                            "*bf16", "i32"],
+                        {"D": 512, "R2": 64, "ROWS": norm_decode.ROWS, "HAS_DN": True}, norm_decode.WARPS),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fit_rows", "qk_forward", "qk_backward", "softcap_ce", "norm_decode"])
+def test_each_kernel_compiles_for_hopper(name):
+    """Through Triton's whole compiler to a cubin for sm_90 at the seed shape's constants, on the CPU: what the
     interpreter lets pass (a global that is not a constexpr, a shape past the shared memory) fails here."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile as triton_compile
 
-    from creditlab.kernels import fit_rows
-
-    pointers = {"c": "*bf16", "gate": "*bf16", "code": "*bf16", "decoder": "*bf16", "gram_weights": "*fp32",
-                "gated_out": "*bf16", "code_grad": "*fp32", "gate_grad": "*bf16", "partial": "*fp32", "tokens": "i32"}
-    tiles = fit_rows.DEFAULT_TILES
-    constants = {"D": 512, "R2": 64, "ROWS": tiles.rows, "BK": tiles.block_k, "TILES": tiles.tiles,
-                 "STAGES": tiles.stages, "SUMS": fit_rows.SUMS}
-    aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers))}  # as the JIT specializes them
-    source = ASTSource(fn=fit_rows._fit_rows, signature=pointers | dict.fromkeys(constants, "constexpr"),
-                       constexprs=constants, attrs=aligned)
+    kernel, types, constants, warps = _hopper_cases()[name]
+    names = [a for a in kernel.arg_names if a not in constants]
+    assert len(names) == len(types) and set(constants) <= set(kernel.arg_names), (names, types)
+    typed = dict(zip(names, types))
+    signature = {a: typed.get(a, "constexpr") for a in kernel.arg_names}
+    # pointers 16-byte aligned, as the JIT specializes them at a launch
+    aligned = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned)
     try:
-        compiled = triton_compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": tiles.warps})
+        compiled = triton_compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     except RuntimeError as error:  # no ptxas in this Triton install
         if "ptxas" in str(error):
             pytest.skip(str(error))
