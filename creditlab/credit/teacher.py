@@ -94,8 +94,8 @@ def rank_space_fit(true: torch.Tensor, gate: torch.Tensor, code: torch.Tensor, d
     if fused and _fit_kernel_takes(true, code, acc, mm):
         lead, r2 = true.shape[:-1], code.shape[-1]
         c = true.to(mm).flatten(0, -2)
-        gated, code_grad, gate_grad, partial = fit_rows.fit_rows_op(c, gate.flatten(0, -2), code.flatten(0, -2), D.to(mm),
-                                                           gram_weights)
+        gated, code_grad, gate_grad, partial = fit_rows.fit_rows_op(
+            c, gate.flatten(0, -2), code.flatten(0, -2), D.to(mm), gram_weights)
         sums = partial.sum(0)
         true_sq, pred_sq, pred_dot_true = sums[0], sums[1], sums[2]
         gram = sums[fit_rows.SUMS:].view(r2, r2)
@@ -122,7 +122,7 @@ def rank_space_fit(true: torch.Tensor, gate: torch.Tensor, code: torch.Tensor, d
 
 
 def _fit_kernel_takes(true: torch.Tensor, code: torch.Tensor, acc: torch.dtype, mm: torch.dtype) -> bool:
-    return kernels.available(true) and acc == torch.float32 and fit_rows.takes(true.to(mm), code)
+    return kernels.available(true) and acc == torch.float32 and fit_rows.takes(true.shape[-1], code.shape[-1], mm)
 
 
 class _FitBranch(torch.autograd.Function):

@@ -81,12 +81,12 @@ if triton is not None:
         tl.store(row + SUMS + ks[:, None] * R2 + ks[None, :], gram)
 
 
-def takes(c: torch.Tensor, code: torch.Tensor, tiles: FitTiles | None = None) -> bool:
-    """Whether the kernel computes these shapes and dtypes (the device is the caller's to check): a width that is a
-    multiple of block_k and a power-of-two code width of at least 16 (tl.dot)."""
-    d, r2, tiles = c.shape[-1], code.shape[-1], tiles or DEFAULT_TILES
-    return (triton is not None and c.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and d % tiles.block_k == 0 and r2 & (r2 - 1) == 0 and r2 >= 16)
+def takes(width: int, code_width: int, dtype: torch.dtype, tiles: FitTiles | None = None) -> bool:
+    """Whether the kernel computes a correction of this width and dtype with this code width (the device is the
+    caller's to check): a width that is a multiple of block_k, a power-of-two code width of at least 16 (tl.dot)."""
+    tiles = tiles or DEFAULT_TILES
+    return (triton is not None and dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and width % tiles.block_k == 0 and code_width & (code_width - 1) == 0 and code_width >= 16)
 
 
 def programs(tokens: int, tiles: FitTiles | None = None) -> int:
