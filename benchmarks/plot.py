@@ -197,6 +197,8 @@ ARMS_FIGURES = [
     ("arms_fit_rows_seed.json", "arms_fit_rows_seed.png", "teacher: the fit's token-wise pass in one kernel vs op by op"),
     ("arms_fit_rows_second_seed.json", "arms_fit_rows_second_seed.png", "the same, a second process"),
     ("arms_fit_rows_seed.json", "arms_fit_rows_rows_seed.png", None),
+    ("arms_fit_whole_tile_seed.json", "arms_fit_whole_tile_seed.png", "credit arms; the teacher's fit kernel, whole tiles"),
+    ("arms_graphs_seed.json", "arms_graphs_seed.png", "compiled graphs replayed as CUDA graphs (not kept)"),
 ]
 
 
