@@ -199,6 +199,8 @@ ARMS_FIGURES = [
     ("arms_fit_rows_seed.json", "arms_fit_rows_rows_seed.png", None),
     ("arms_fit_whole_tile_seed.json", "arms_fit_whole_tile_seed.png", "credit arms; the teacher's fit kernel, whole tiles"),
     ("arms_graphs_seed.json", "arms_graphs_seed.png", "compiled graphs replayed as CUDA graphs (not kept)"),
+    ("arms_decode_residual_seed.json", "arms_decode_residual_seed.png",
+     "learned: MLP decode and residual add in the norm backward"),
 ]
 
 

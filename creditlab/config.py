@@ -78,8 +78,9 @@ class CreditConfig:
     # Which updates are exact (credit/schedules.py): fixed | fixed:K | never | warmup:N[,K] | adaptive[:A,B].
     schedule: str = "fixed"
     materialized: bool = False  # decode every correction at the tap (to measure what streaming saves)
-    # streaming only: fused decodes each branch's correction inside its norm's backward (kernels/norm_decode.py,
-    # Triton on CUDA); plain decodes it in a product of its own, then autograd adds it to the norm's input
+    # streaming only: fused decodes each MLP branch's correction inside its norm's backward, which also adds the
+    # residual gradient (kernels/norm_decode.py, Triton on CUDA; measured slower, benchmarks/predictor_cost.md);
+    # plain decodes it in a product of its own, then autograd adds it to the norm's input
     decode: str = "plain"
     predictor_lr: float = 1e-2  # held-out fit after 150 teacher steps (tiny): 3e-3 0.82, 1e-2 0.78, 3e-2 0.77, 1e-1 0.81
     # The teacher's fit products over (B, T, d): "auto" runs them in the gradient's dtype (bf16 under autocast,

@@ -1,8 +1,9 @@
 """The GPT: a causal decoder in the style of the 2025 modded-nanogpt records, scaled to d8/w512.
 
 Read it top to bottom. Each block has two *branches*, attention and MLP; each reads `n = norm(x)` from the
-residual stream, taken through the credit context: `n, n_b = credit.normed_branch(b, x, norm)`, where n_b
-(`credit.branch(b, n)` unless the source fuses its work into the norm) is what the omitted product reads. The
+residual stream, taken through the credit context: `x, n, n_b = credit.normed_branch(b, x, norm)`, where n_b
+(`credit.branch(b, n)` unless the source fuses its work into the norm) is what the omitted product reads, and x
+the stream passed on (x itself unless the source's norm backward also adds the stream's gradient). The
 products the synthetic backward omits are the ones the credit context computes, `credit.product(b, n_b, W)`:
 the Q/K/V projection of attention and the expansion of the MLP (which, fused, also applies ReLU^2: relu2.py).
 Everything else in a branch (the attention gate, the value embeddings, the output projections) reads `n` itself
@@ -75,12 +76,13 @@ def recomputed(enabled: bool, fn, *args):
 class ExactCredit:
     """Native backprop: nothing omitted, nothing injected. Credit sources subclass this (credit/sources.py)."""
 
-    def normed_branch(self, index: int, x: torch.Tensor, norm_fn) -> tuple[torch.Tensor, torch.Tensor]:
-        """(n, what branch `index`'s omitted product reads) for the residual stream x: n = norm_fn(x), then
-        `branch`. A source may fuse its own work on the branch input into the norm (the learned source decodes
-        its correction inside the norm's backward)."""
+    def normed_branch(self, index: int, x: torch.Tensor, norm_fn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the residual stream passed on, n, what branch `index`'s omitted product reads) for the residual stream
+        x: x, n = norm_fn(x), then `branch`. A source may fuse its own work on the branch input into the norm (the
+        learned source decodes its correction inside the norm's backward and adds the gradient of the stream
+        passed on there, so that the residual gradient is read and written once)."""
         n = norm_fn(x)
-        return n, self.branch(index, n)
+        return x, n, self.branch(index, n)
 
     def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
         return n
@@ -196,9 +198,9 @@ class Block(nn.Module):
     def forward(self, x, x0, ve, credit: ExactCredit):
         x = self.resid_mix[0] * x + self.resid_mix[1] * x0
         a, m = 2 * self.index, 2 * self.index + 1  # the block's branches
-        n, n_omitted = credit.normed_branch(a, x, self.norm)
+        x, n, n_omitted = credit.normed_branch(a, x, self.norm)
         x = x + self.attn(n, credit.product(a, n_omitted, self.attn.qkv.weight), ve)
-        n, n_omitted = credit.normed_branch(m, x, self.norm)
+        x, n, n_omitted = credit.normed_branch(m, x, self.norm)
         x = x + self.mlp(credit.product(m, n_omitted, self.mlp.fc.weight, self.mlp.activation))
         return x
 

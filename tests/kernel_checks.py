@@ -204,10 +204,11 @@ def qk_norm_rotary_errors(B, T, heads, hd, seed=0, wrong_eps=False):
             "all_written": bool(not any(t.isnan().any() for t in (q, k, v, scales, dqkv)))}
 
 
-def norm_decode_errors(tokens, d, r2, with_dn, seed=0, drop_decode=False):
-    """The norm backward with the decode inside (kernels/norm_decode.py) on fresh random float32 inputs, into a
-    NaN-poisoned output, against float64 autograd of model.norm with the correction added to dL/dn; tokens not a
-    multiple of the kernel's rows. `drop_decode` compares against a reference without the correction."""
+def norm_decode_errors(tokens, d, r2, with_dn, with_residual=True, seed=0, drop_decode=False, drop_residual=False):
+    """The norm backward with the decode inside and the residual gradient added (kernels/norm_decode.py) on fresh
+    random float32 inputs, into a NaN-poisoned output, against float64 autograd of model.norm with the correction
+    added to dL/dn, plus the residual; tokens not a multiple of the kernel's rows. `drop_decode` compares against a
+    reference without the correction, `drop_residual` runs the kernel without the residual the reference adds."""
     from creditlab.kernels import norm_decode
     from creditlab.model import norm
 
@@ -216,15 +217,63 @@ def norm_decode_errors(tokens, d, r2, with_dn, seed=0, drop_decode=False):
     code, gate = torch.randn(tokens, r2, generator=g), torch.rand(tokens, r2, generator=g)
     decoder = torch.randn(d, r2, generator=g) * 0.1
     dn = torch.randn(tokens, d, generator=g) if with_dn else None
+    residual = torch.randn(tokens, d, generator=g) if with_residual else None
     x64 = x.double().requires_grad_(True)
     n64 = norm(x64)
     scale = torch.rsqrt(x.double().square().mean(-1) + 1e-6).float()
     c = (code.double() * gate.double()) @ decoder.double().t()
     upstream = (0 if drop_decode else c) + (dn.double() if with_dn else 0)
-    ref = torch.autograd.grad(n64, x64, upstream)[0]
-    got = norm_decode.norm_decode_backward(dn, norm(x), scale, code, gate, decoder,
+    ref = torch.autograd.grad(n64, x64, upstream)[0] + (residual.double() if with_residual else 0)
+    got = norm_decode.norm_decode_backward(dn, norm(x), scale, code, gate, decoder, None if drop_residual else residual,
                                            out=torch.full((tokens, d), float("nan")))
     return {"dx": ((got.double() - ref).abs().max() / ref.abs().max()).item(), "all_written": bool(not got.isnan().any())}
+
+
+def fused_decode_through_kernel():
+    """The learned source's fused decode (credit/predictor.py) with its backward through the Triton operator (CPU
+    float32, the interpreter) against the same Function in float64 on the torch path: the gradient of the residual
+    stream before the branch, with a correction and a residual gradient that both matter."""
+    from creditlab.credit import predictor
+    from creditlab.kernels import norm_decode
+
+    takes, launched = norm_decode.takes, []
+    real = norm_decode._run
+    norm_decode._run = lambda *a, **k: launched.append(1) or real(*a, **k)
+    try:
+        g = torch.Generator().manual_seed(6)
+        B, T, d, r2 = 2, 37, 32, 16
+        x = torch.randn(B, T, d, generator=g) * 2
+        gate_weight, decoder = torch.randn(r2, d, generator=g) * 0.3, torch.randn(d, r2, generator=g) * 0.3
+        code, residual = torch.randn(B, T, r2, generator=g), torch.randn(B, T, d, generator=g)
+        grads = {}
+        for name, dtype, kernel in (("kernel", torch.float32, True), ("torch", torch.float64, False)):
+            norm_decode.takes = lambda n, c: kernel
+            xi = x.detach().to(dtype).requires_grad_(True)
+            passed, n, share = predictor._NormGatedAdjoint.apply(xi, gate_weight.to(dtype), decoder.to(dtype))
+            torch.autograd.backward([passed, share], [residual.to(dtype), code.to(dtype)])
+            grads[name] = xi.grad
+        without_residual = grads["torch"] - residual.double()
+        scale = grads["torch"].abs().max()
+        return {"dx": ((grads["kernel"].double() - grads["torch"]).abs().max() / scale).item(),
+                "residual_share": (without_residual - grads["torch"]).abs().max().item() / scale.item(),
+                "correction_share": without_residual.abs().max().item() / scale.item(), "launched": len(launched)}
+    finally:
+        norm_decode.takes, norm_decode._run = takes, real
+
+
+def norm_decode_opcheck():
+    """The norm_decode operator has a valid schema, with and without its optional inputs."""
+    from creditlab.kernels import norm_decode
+
+    g = torch.Generator().manual_seed(7)
+    n, residual = torch.randn(40, 32, generator=g), torch.randn(40, 32, generator=g)
+    small = torch.randn(40, 16, generator=g)
+    results = {}
+    for name, dn, res in (("full", residual, residual), ("no_dn", None, residual), ("neither", None, None)):
+        args = (dn, res, n, torch.rand(40, generator=g), small, small.sigmoid(), torch.randn(32, 16, generator=g))
+        result = torch.library.opcheck(norm_decode.norm_decode_op, args, test_utils=("test_schema",))
+        results[name] = all(v == "SUCCESS" for v in result.values())
+    return results
 
 
 def fit_rows_errors(tokens, d, r2, seed=0, wrong_gate_derivative=False):
@@ -315,7 +364,11 @@ if __name__ == "__main__":
         "fit_rows_opcheck": fit_rows_opcheck(),
         "norm_decode_with_dn": norm_decode_errors(70, 64, 16, True),
         "norm_decode_without_dn": norm_decode_errors(33, 32, 32, False, seed=1),
+        "norm_decode_without_residual": norm_decode_errors(33, 32, 32, True, with_residual=False, seed=2),
         "norm_decode_dropped": norm_decode_errors(70, 64, 16, True, drop_decode=True),
+        "norm_decode_residual_dropped": norm_decode_errors(70, 64, 16, True, seed=3, drop_residual=True),
+        "fused_decode": fused_decode_through_kernel(),
+        "norm_decode_opcheck": norm_decode_opcheck(),
         "qk_even": qk_norm_rotary_errors(2, 32, 2, 16),
         "qk_partial_rows": qk_norm_rotary_errors(1, 37, 3, 8, seed=1),
         "qk_wrong_eps": qk_norm_rotary_errors(2, 32, 2, 16, wrong_eps=True),

@@ -86,14 +86,26 @@ def test_the_qk_comparison_fails_for_another_epsilon(report):
     assert min(r["q"], r["k"], r["dqkv"]) > 1e-4, r
 
 
-@pytest.mark.parametrize("case", ["norm_decode_with_dn", "norm_decode_without_dn"])
+@pytest.mark.parametrize("case", ["norm_decode_with_dn", "norm_decode_without_dn", "norm_decode_without_residual"])
 def test_norm_backward_with_the_decode_inside_matches_float64_autograd(report, case):
     r = report[case]
     assert r["all_written"] and r["dx"] < 1e-5, r  # float32 arithmetic, n read back in float32
 
 
-def test_the_norm_decode_comparison_fails_without_the_correction(report):
-    assert report["norm_decode_dropped"]["dx"] > 1e-2, report["norm_decode_dropped"]
+@pytest.mark.parametrize("case", ["norm_decode_dropped", "norm_decode_residual_dropped"])
+def test_the_norm_decode_comparison_fails_without_the_correction_or_the_residual(report, case):
+    assert report[case]["dx"] > 1e-2, report[case]
+
+
+def test_the_fused_decode_through_the_operator_matches_its_float64_torch_path(report):
+    r = report["fused_decode"]
+    assert r["launched"] == 1, r  # the kernel ran, not the fallback
+    assert r["correction_share"] > 0.1 and r["residual_share"] > 0.1, r  # both parts of the result matter
+    assert r["dx"] < 1e-5, r
+
+
+def test_the_norm_decode_operator_declares_its_schema_truthfully(report):
+    assert report["norm_decode_opcheck"] and all(report["norm_decode_opcheck"].values()), report["norm_decode_opcheck"]
 
 
 @pytest.mark.parametrize("case", ["fit_rows", "fit_rows_one_program"])
@@ -135,9 +147,10 @@ def _hopper_cases():
         "softcap_ce": (softcap_ce._softcap_ce_rows, ["*bf16", "*bf16", "*i64", "*fp32", "i32", "fp32", "fp32"],
                        {"vocab": 12289, "padded": 12352, "BLOCK": softcap_ce.DEFAULT_BLOCK, "FAST": True,
                         "STAGES": softcap_ce.DEFAULT_STAGES}, softcap_ce.DEFAULT_WARPS),
-        "norm_decode": (norm_decode._norm_decode_backward, ["*bf16", "*bf16", "*fp32", "*bf16", "*bf16", "*bf16",
+        "norm_decode": (norm_decode._norm_decode_backward, ["*bf16", "*bf16", "*bf16", "*fp32", "*bf16", "*bf16", "*bf16",
                                                             "*bf16", "i32"],
-                        {"D": 512, "R2": 64, "ROWS": norm_decode.ROWS, "HAS_DN": True}, norm_decode.WARPS),
+                        {"D": 512, "R2": 64, "ROWS": norm_decode.ROWS, "HAS_DN": False, "HAS_RESIDUAL": True},
+                        norm_decode.WARPS),
     }
 
 

@@ -99,10 +99,11 @@ class Predictor(nn.Module):
         """g_b * (n_b D_b): the branch's share of the adjoint, (B, T, code_width). Only n carries gradient."""
         return self.widen(b, _GatedAdjoint.apply(n, self.state_gates[b].detach(), self.decoders[b].detach()))
 
-    def normed_adjoint(self, b: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x), the branch's share of the adjoint) with the share's decode inside the norm's backward."""
-        n, share = _NormGatedAdjoint.apply(x, self.state_gates[b].detach(), self.decoders[b].detach())
-        return n, self.widen(b, share)
+    def normed_adjoint(self, b: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x passed on, norm(x), the branch's share of the adjoint) with the share's decode inside the norm's
+        backward, which also adds the gradient of the x passed on."""
+        x, n, share = _NormGatedAdjoint.apply(x, self.state_gates[b].detach(), self.decoders[b].detach())
+        return x, n, self.widen(b, share)
 
     def tap(self, x_terminal: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
         """x_L unchanged, carrying the adjoint term for the branches' summed shares `total` (B, T, code_width).
@@ -149,27 +150,26 @@ class _GatedAdjoint(torch.autograd.Function):
         return (grad * gate) @ decoder.t().to(grad.dtype), None, None
 
 
-@torch.library.custom_op("creditlab::norm_decode_backward", mutates_args=())
-def norm_decode_backward(dn: torch.Tensor | None, n: torch.Tensor, scale: torch.Tensor, code: torch.Tensor,
-                         gate: torch.Tensor, decoder: torch.Tensor) -> torch.Tensor:
-    """dL/dx of n = norm(x) for dL/dn = dn + (code * gate) D^T (dn None: n has no exact use). Rows of tokens;
-    scale (tokens,) = 1 / rms(x); decoder D (d, 2r)."""
+def norm_decode_backward(dn: torch.Tensor | None, residual: torch.Tensor | None, n: torch.Tensor,
+                         scale: torch.Tensor, code: torch.Tensor, gate: torch.Tensor,
+                         decoder: torch.Tensor) -> torch.Tensor:
+    """residual + dL/dx of n = norm(x) for dL/dn = dn + (code * gate) D^T (dn None: n has no exact use; residual
+    None: nothing passes the branch). Rows of tokens; scale (tokens,) = 1 / rms(x); decoder D (d, 2r). One Triton
+    pass on CUDA (kernels/norm_decode.py), the torch arithmetic elsewhere."""
     if norm_decode_kernel.takes(n, code):
-        return norm_decode_kernel.norm_decode_backward(dn, n, scale, code, gate, decoder)
+        return norm_decode_kernel.norm_decode_op(dn, residual, n, scale, code, gate, decoder)
     acc = torch.promote_types(n.dtype, torch.float32)
     grad = ((code * gate) @ decoder.to(code.dtype).t()).to(acc)
-    return norm_backward(grad if dn is None else grad + dn.to(acc), n, scale[:, None])
-
-
-@norm_decode_backward.register_fake
-def _(dn, n, scale, code, gate, decoder):
-    return torch.empty_like(n)
+    dx = norm_backward(grad if dn is None else grad + dn.to(acc), n, scale[:, None]).to(acc)
+    return (dx if residual is None else dx + residual.to(acc)).to(n.dtype)
 
 
 class _NormGatedAdjoint(torch.autograd.Function):
-    """n = norm(x) (model.norm's arithmetic) and the branch's share of the adjoint as _GatedAdjoint gives it
-    (zeros of its shape: the value is never read), whose backward, the decode (code * g) D^T, is added to dL/dn
-    inside the norm's backward: the correction is never written out (`credit.decode=fused`)."""
+    """(x, n, share): the residual stream x passed on, n = norm(x) (model.norm's arithmetic) and the branch's share
+    of the adjoint as _GatedAdjoint gives it (zeros of its shape: the value is never read). Its backward adds the
+    decode (code * g) D^T to dL/dn inside the norm's backward, and the gradient of the stream passed on to the
+    result: the correction is never written out, and the residual gradient is read and written once
+    (`credit.decode=fused`)."""
 
     @staticmethod
     def forward(ctx, x, gate_weight, decoder):
@@ -177,31 +177,37 @@ class _NormGatedAdjoint(torch.autograd.Function):
         n, scale = norm_with_scale(x)
         gate = torch.sigmoid(n @ gate_weight.t().to(n.dtype))
         ctx.save_for_backward(n, scale, gate, decoder)
-        return n, torch.zeros_like(gate)
+        return x.view_as(x), n, torch.zeros_like(gate)
 
     @staticmethod
-    def backward(ctx, dn, code):
+    def backward(ctx, residual, dn, code):
         n, scale, gate, decoder = ctx.saved_tensors
         if code is None:  # no correction reached the branch: the plain norm backward
             code = torch.zeros_like(gate)
         rows = lambda t: None if t is None else t.reshape(-1, t.shape[-1])  # noqa: E731
-        dx = norm_decode_backward(rows(dn), rows(n), scale.reshape(-1), rows(code.to(gate.dtype)), rows(gate),
-                                  decoder)
+        dx = norm_decode_backward(rows(dn), rows(residual), rows(n), scale.reshape(-1), rows(code.to(gate.dtype)),
+                                  rows(gate), decoder)
         return dx.view(n.shape), None, None
 
 
 class FusedDecodeCredit(AdjointCredit):
-    """The streaming injection with each branch's decode inside its norm's backward (`credit.decode=fused`). The
-    norm of a branch input is then the source's: the block's `model.recompute=norm` does not reach it."""
+    """The streaming injection with each MLP branch's decode inside its norm's backward, which also adds the
+    residual gradient passing the branch (`credit.decode=fused`). An MLP branch's n has no exact use in the
+    synthetic backward, so its whole backward is that one pass. An attention branch's n feeds the attention gate
+    exactly; fused, the gate's (tokens, gate_dim) gradient would be written out padded to (tokens, d) for the
+    kernel, costing what the unwritten correction saves, so attention branches keep the plain streaming path. The
+    norm of a fused branch is the source's: the block's `model.recompute=norm` does not reach it."""
 
     def __init__(self, predictor: "Predictor"):
         super().__init__(predictor.branch_adjoint, predictor.tap)
         self.predictor = predictor
 
-    def normed_branch(self, index: int, x: torch.Tensor, norm_fn) -> tuple[torch.Tensor, torch.Tensor]:
-        n, share = self.predictor.normed_adjoint(index, x)
+    def normed_branch(self, index: int, x: torch.Tensor, norm_fn):
+        if branch_kind(index) != "mlp":
+            return super().normed_branch(index, x, norm_fn)
+        x, n, share = self.predictor.normed_adjoint(index, x)
         self.total = share if self.total is None else self.total + share
-        return n, n.detach()
+        return x, n, n.detach()
 
 
 class LearnedSource(FittedSource):

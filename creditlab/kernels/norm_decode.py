@@ -1,10 +1,11 @@
-"""The branch norm's backward with the learned correction decoded inside it.
+"""The branch norm's backward with the learned correction decoded inside it, and the residual gradient added.
 
 The backward of n = x / rms(x) maps dL/dn to dL/dx = s (dn - n mean(dn * n)), s = 1 / rms(x). For a branch of
 the learned source, dL/dn is the gradient of n's exact uses plus the branch's correction c = (code * gate) D^T, a
 rank-2r decode. This kernel forms c tile by tile on chip from the (tokens, 2r) code and gate and the (d, 2r)
-decoder, adds it to the exact part and applies the norm's backward: one read of n and of the exact gradient,
-one write of dL/dx, where the unfused step also writes c and reads it back.
+decoder, adds it to the exact part, applies the norm's backward and adds the gradient the residual stream carries
+past the branch: one read of n and of the residual gradient, one write of the stream's gradient before the
+branch. The unfused step writes c and reads it back in the compiler's pass that does the same arithmetic.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ ROWS, WARPS = 32, 8  # tokens per program; the (ROWS, d) float32 tile of c lives
 if triton is not None:
 
     @triton.jit
-    def _norm_decode_backward(dn, n, scale, code, gate, decoder, dx, tokens, D: tl.constexpr, R2: tl.constexpr,
-                              ROWS: tl.constexpr, HAS_DN: tl.constexpr):
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    def _norm_decode_backward(dn, residual, n, scale, code, gate, decoder, dx, tokens, D: tl.constexpr,
+                              R2: tl.constexpr, ROWS: tl.constexpr, HAS_DN: tl.constexpr,
+                              HAS_RESIDUAL: tl.constexpr):
+        rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
         valid = rows < tokens
         cols = tl.arange(0, D)
         ks = tl.arange(0, R2)
@@ -36,7 +38,10 @@ if triton is not None:
         nv = tl.load(n + wide, mask=valid[:, None], other=0.0).to(tl.float32)
         s = tl.load(scale + rows, mask=valid, other=0.0)
         mean = tl.sum(grad * nv, axis=1) / D
-        tl.store(dx + wide, (s[:, None] * (grad - nv * mean[:, None])).to(dx.dtype.element_ty), mask=valid[:, None])
+        out = s[:, None] * (grad - nv * mean[:, None])
+        if HAS_RESIDUAL:
+            out += tl.load(residual + wide, mask=valid[:, None], other=0.0).to(tl.float32)
+        tl.store(dx + wide, out.to(dx.dtype.element_ty), mask=valid[:, None])
 
 
 def takes(n: torch.Tensor, code: torch.Tensor) -> bool:
@@ -46,15 +51,34 @@ def takes(n: torch.Tensor, code: torch.Tensor) -> bool:
             and d & (d - 1) == 0 and r2 & (r2 - 1) == 0 and r2 >= 16 and d >= 16)
 
 
-def norm_decode_backward(dn: torch.Tensor | None, n: torch.Tensor, scale: torch.Tensor, code: torch.Tensor,
-                         gate: torch.Tensor, decoder: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """dL/dx (tokens, d) in n's dtype from dn (tokens, d) or None (no exact use of n), n (tokens, d), scale
-    (tokens,) float32, code and gate (tokens, 2r), decoder (d, 2r) in code's dtype."""
+def _run(kernel, dn, residual, n, scale, code, gate, decoder, out=None):
     tokens, d = n.shape
-    r2 = code.shape[1]
     dx = torch.empty_like(n) if out is None else out
-    _norm_decode_backward[(triton.cdiv(tokens, ROWS),)](
-        dn if dn is not None else n, n, scale, code.contiguous(), gate.contiguous(),
-        decoder.to(code.dtype).contiguous(), dx, tokens, D=d, R2=r2, ROWS=ROWS, HAS_DN=dn is not None,
-        num_warps=WARPS)
+    kernel[(triton.cdiv(tokens, ROWS),)](
+        dn if dn is not None else n, residual if residual is not None else n, n, scale, code.contiguous(),
+        gate.contiguous(), decoder.to(code.dtype).contiguous(), dx, tokens, D=d, R2=code.shape[1], ROWS=ROWS,
+        HAS_DN=dn is not None, HAS_RESIDUAL=residual is not None, num_warps=WARPS)
     return dx
+
+
+def norm_decode_backward(dn: torch.Tensor | None, n: torch.Tensor, scale: torch.Tensor, code: torch.Tensor,
+                         gate: torch.Tensor, decoder: torch.Tensor, residual: torch.Tensor | None = None,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """residual + dL/dx (tokens, d) in n's dtype from dn (tokens, d) or None (no exact use of n), n (tokens, d),
+    scale (tokens,) float32, code and gate (tokens, 2r), decoder (d, 2r) in code's dtype, and the residual
+    stream's gradient past the branch (tokens, d) or None. The kernel launched directly; compiled code calls
+    `norm_decode_op`. `out`: the output, preallocated (the tests poison it)."""
+    return _run(_norm_decode_backward, dn, residual, n, scale, code, gate, decoder, out)
+
+
+if triton is not None:
+
+    @torch.library.triton_op("creditlab::norm_decode", mutates_args=())
+    def norm_decode_op(dn: torch.Tensor | None, residual: torch.Tensor | None, n: torch.Tensor,
+                       scale: torch.Tensor, code: torch.Tensor, gate: torch.Tensor,
+                       decoder: torch.Tensor) -> torch.Tensor:
+        """`norm_decode_backward` as the compiler sees it: a Triton operator its backward launches from its own code
+        (an opaque custom operator costs a Python dispatch per call, one per branch and micro-batch)."""
+        # the interpreter (CPU tensors) runs the kernel as it is; wrap_triton needs a compiled one
+        kernel = _norm_decode_backward if n.device.type == "cpu" else torch.library.wrap_triton(_norm_decode_backward)
+        return _run(kernel, dn, residual, n, scale, code, gate, decoder)
