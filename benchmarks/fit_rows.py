@@ -4,9 +4,8 @@ against float64.
 
     python benchmarks/fit_rows.py --out DIR [--tokens 131072] [--width 512] [--rank 32] [--tiles]
 
-Writes DIR/fit_rows.json and DIR/fit_rows.md (with the kernel's two loop forms timed alternately); `--tiles`
-also times the kernel alone at several launch shapes, of both loop forms, into DIR/fit_rows_tiles.txt. Any CUDA
-machine with Triton.
+Writes DIR/fit_rows.json and DIR/fit_rows.md; `--tiles` also times the kernel alone at several launch shapes
+into DIR/fit_rows_tiles.txt. Any CUDA machine with Triton.
 """
 
 from __future__ import annotations
@@ -59,16 +58,7 @@ def main() -> int:
     moved = N * d * 2 + N * r2 * (2 + 2 + 2 + 4 + 2)
     m = decoder.t() @ decoder
     kernel_ms = cuda_ms(lambda: fit_rows.fit_rows(true, gate, code, decoder, m))
-    # both loop forms of the kernel at the default launch shape, alternated so that clocks fall on both alike
-    loops = {"nested": dataclasses.replace(fit_rows.DEFAULT_TILES, flat=False),
-             "flat": dataclasses.replace(fit_rows.DEFAULT_TILES, flat=True)}
-    by_loop = {name: [] for name in loops}
-    for _ in range(5):
-        for name, shape in loops.items():
-            by_loop[name].append(cuda_ms(lambda: fit_rows.fit_rows(true, gate, code, decoder, m, shape)))
-    by_loop = {name: sorted(v)[len(v) // 2] for name, v in by_loop.items()}
     result = {"shape": {"tokens": N, "width": d, "code_width": r2}, "times_ms": times, "kernel_ms": kernel_ms,
-              "kernel_ms_by_loop": by_loop,
               "kernel_tb_per_s": moved / kernel_ms / 1e9, "tiles": dataclasses.asdict(fit_rows.DEFAULT_TILES),
               "bf16_rel_err": errors, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     (out / "fit_rows.json").write_text(json.dumps(result, indent=2))
@@ -76,9 +66,7 @@ def main() -> int:
              f"{result['device']}, torch {torch.__version__})", "", "| path | ms |", "|---|---|"]
     lines += [f"| {name} | {ms:.3f} |" for name, ms in times.items()]
     lines += ["", f"The kernel alone: {kernel_ms:.3f} ms, {result['kernel_tb_per_s']:.2f} TB/s of its least bytes "
-              f"({moved / 1e6:.0f} MB). By loop form (median of five alternated timings): "
-              + ", ".join(f"{name} {ms:.3f} ms ({moved / ms / 1e9:.2f} TB/s)" for name, ms in by_loop.items()) + ".",
-              "", "bf16 max error relative to the float64 result's largest entry:", ""]
+              f"({moved / 1e6:.0f} MB).", "", "bf16 max error relative to the float64 result's largest entry:", ""]
     lines += [f"- {name}: " + ", ".join(f"{k} {v:.2e}" for k, v in e.items()) for name, e in errors.items()]
     (out / "fit_rows.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
@@ -94,8 +82,6 @@ def tiles(true, gate, code, decoder, m, path: Path) -> None:
               for rows in (32, 64, 128) for warps in (4, 8) for block_k in (64, 128)]
     shapes += [dataclasses.replace(base, tiles=t) for t in (2, 4, 16)]
     shapes += [dataclasses.replace(base, stages=s) for s in (1, 2, 4)]
-    shapes += [dataclasses.replace(base, flat=True, rows=rows, warps=warps, tiles=t, stages=st)
-               for rows in (32, 64, 128) for warps in (4, 8) for t in (8, 16) for st in (2, 3, 4)]
     lines = []
     for shape in shapes:
         try:

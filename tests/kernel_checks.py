@@ -276,14 +276,14 @@ def norm_decode_opcheck():
     return results
 
 
-def fit_rows_errors(tokens, d, r2, seed=0, wrong_gate_derivative=False, flat=False):
+def fit_rows_errors(tokens, d, r2, seed=0, wrong_gate_derivative=False):
     """The teacher's rank-space kernel (kernels/fit_rows.py) on fresh random float32 inputs, into NaN-poisoned
     outputs, against the same quantities in float64; tokens not a multiple of a program's tokens, several
     programs. `wrong_gate_derivative` compares gate_grad with sigmoid's derivative taken as gate instead of
-    gate (1 - gate); `flat` runs the kernel whose one loop walks (tile, column block)."""
+    gate (1 - gate)."""
     from creditlab.kernels import fit_rows
 
-    tiles = fit_rows.FitTiles(rows=16, block_k=16, tiles=2, warps=4, stages=2, flat=flat)
+    tiles = fit_rows.FitTiles(rows=16, block_k=16, tiles=2, warps=4, stages=2)
     g = torch.Generator().manual_seed(seed)
     c = torch.randn(tokens, d, generator=g)
     gate, code = torch.rand(tokens, r2, generator=g), torch.randn(tokens, r2, generator=g)
@@ -360,9 +360,6 @@ if __name__ == "__main__":
         "fit_rows": fit_rows_errors(70, 64, 16),
         "fit_rows_one_program": fit_rows_errors(20, 32, 32, seed=1),
         "fit_rows_wrong_derivative": fit_rows_errors(70, 64, 16, wrong_gate_derivative=True),
-        "fit_rows_flat": fit_rows_errors(70, 64, 16, flat=True),
-        "fit_rows_flat_one_program": fit_rows_errors(20, 32, 32, seed=1, flat=True),
-        "fit_rows_flat_wrong_derivative": fit_rows_errors(70, 64, 16, wrong_gate_derivative=True, flat=True),
         "rank_space_fit": rank_space_fit_through_kernel(),
         "fit_rows_opcheck": fit_rows_opcheck(),
         "norm_decode_with_dn": norm_decode_errors(70, 64, 16, True),

@@ -34,8 +34,6 @@ class FitTiles:
     tiles: int = 8  # tiles per program: the partial sums get one row per rows * tiles tokens
     warps: int = 8
     stages: int = 4
-    # the tile loop flattened by Triton into one pipelined loop over (tile, column block)
-    flat: bool = False
 
 
 DEFAULT_TILES = FitTiles()
@@ -44,44 +42,9 @@ DEFAULT_TILES = FitTiles()
 if triton is not None:
 
     @triton.jit
-    def _fit_tile_end(decoded, rows, tokens, gate, code, m, gated_out, code_grad, gate_grad, gram, pred_sq,
-                      pred_dot, R2: tl.constexpr):
-        """The rest of one tile once c D is summed: gated, the two token-wise gradients, the prediction's sums and
-        the Gram matrix; returns the updated (gram, pred_sq, pred_dot)."""
-        ks = tl.arange(0, R2)
-        valid = rows < tokens
-        small = rows[:, None] * R2 + ks[None, :]
-        g = tl.load(gate + small, mask=valid[:, None], other=0.0).to(tl.float32)
-        x = tl.load(code + small, mask=valid[:, None], other=0.0).to(tl.float32)
-        gated = g * x  # zero on rows past the end: they add nothing below
-        gated_m = tl.dot(gated, m)
-        pred_sq += tl.sum(gated_m * gated, axis=1)
-        pred_dot += tl.sum(decoded * gated, axis=1)
-        gram = tl.dot(tl.trans(gated), gated, gram)
-        u = gated_m - decoded
-        tl.store(gated_out + small, gated.to(gated_out.dtype.element_ty), mask=valid[:, None])
-        tl.store(code_grad + small, (u * g).to(code_grad.dtype.element_ty), mask=valid[:, None])
-        tl.store(gate_grad + small, (u * x * g * (1.0 - g)).to(gate_grad.dtype.element_ty), mask=valid[:, None])
-        return gram, pred_sq, pred_dot
-
-    @triton.jit
-    def _store_partial(partial, pid, c_sq, pred_sq, pred_dot, gram, R2: tl.constexpr, SUMS: tl.constexpr):
-        ks = tl.arange(0, R2)
-        row = partial + pid * (SUMS + R2 * R2)
-        tl.store(row, tl.sum(c_sq, axis=0))
-        tl.store(row + 1, tl.sum(pred_sq, axis=0))
-        tl.store(row + 2, tl.sum(pred_dot, axis=0))
-        tl.store(row + SUMS + ks[:, None] * R2 + ks[None, :], gram)
-
-    @triton.jit
     def _fit_rows(c, gate, code, decoder, gram_weights, gated_out, code_grad, gate_grad, partial, tokens,
                   D: tl.constexpr, R2: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr, TILES: tl.constexpr,
-                  STAGES: tl.constexpr, SUMS: tl.constexpr, FLATTEN: tl.constexpr):
-        """A loop over the program's tiles, each with a pipelined loop over c's columns. FLATTEN: Triton flattens
-        the two into one pipelined loop over (tile, column block), so that the next tile's loads are in flight
-        while a tile ends, where the nested loops drain the pipeline at every tile (eight column blocks each at the
-        seed width). (Written out by hand as one loop with the tile's end under an `if`, Triton 3.6's pipeliner
-        fails to compile it.)"""
+                  STAGES: tl.constexpr, SUMS: tl.constexpr):
         pid = tl.program_id(0)
         ks = tl.arange(0, R2)
         m = tl.load(gram_weights + ks[:, None] * R2 + ks[None, :])  # D^T D (R2, R2), float32
@@ -89,7 +52,7 @@ if triton is not None:
         c_sq = tl.zeros([ROWS], tl.float32)
         pred_sq = tl.zeros([ROWS], tl.float32)
         pred_dot = tl.zeros([ROWS], tl.float32)
-        for tile in tl.range(0, TILES, flatten=FLATTEN):
+        for tile in range(TILES):
             rows = ((pid * TILES + tile) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
             valid = rows < tokens
             decoded = tl.zeros([ROWS, R2], tl.float32)  # c D
@@ -99,9 +62,23 @@ if triton is not None:
                 decoded = tl.dot(ct, tl.load(decoder + kk[:, None] * R2 + ks[None, :]), decoded)
                 cf = ct.to(tl.float32)
                 c_sq += tl.sum(cf * cf, axis=1)
-            gram, pred_sq, pred_dot = _fit_tile_end(decoded, rows, tokens, gate, code, m, gated_out, code_grad,
-                                                    gate_grad, gram, pred_sq, pred_dot, R2)
-        _store_partial(partial, pid, c_sq, pred_sq, pred_dot, gram, R2, SUMS)
+            small = rows[:, None] * R2 + ks[None, :]
+            g = tl.load(gate + small, mask=valid[:, None], other=0.0).to(tl.float32)
+            x = tl.load(code + small, mask=valid[:, None], other=0.0).to(tl.float32)
+            gated = g * x  # zero on rows past the end: they add nothing below
+            gated_m = tl.dot(gated, m)
+            pred_sq += tl.sum(gated_m * gated, axis=1)
+            pred_dot += tl.sum(decoded * gated, axis=1)
+            gram = tl.dot(tl.trans(gated), gated, gram)
+            u = gated_m - decoded
+            tl.store(gated_out + small, gated.to(gated_out.dtype.element_ty), mask=valid[:, None])
+            tl.store(code_grad + small, (u * g).to(code_grad.dtype.element_ty), mask=valid[:, None])
+            tl.store(gate_grad + small, (u * x * g * (1.0 - g)).to(gate_grad.dtype.element_ty), mask=valid[:, None])
+        row = partial + pid * (SUMS + R2 * R2)
+        tl.store(row, tl.sum(c_sq, axis=0))
+        tl.store(row + 1, tl.sum(pred_sq, axis=0))
+        tl.store(row + 2, tl.sum(pred_dot, axis=0))
+        tl.store(row + SUMS + ks[:, None] * R2 + ks[None, :], gram)
 
 
 def takes(width: int, code_width: int, dtype: torch.dtype, tiles: FitTiles | None = None) -> bool:
@@ -138,7 +115,7 @@ def _run(kernel, c, gate, code, decoder, gram_weights, tiles=None, out=None):
     kernel[(partial.shape[0],)](
         c.contiguous(), gate.contiguous(), code.contiguous(), decoder.to(c.dtype).contiguous(),
         gram_weights.float().contiguous(), gated, code_grad, gate_grad, partial, tokens, D=d, R2=r2,
-        ROWS=tiles.rows, BK=tiles.block_k, TILES=tiles.tiles, STAGES=tiles.stages, SUMS=SUMS, FLATTEN=tiles.flat,
+        ROWS=tiles.rows, BK=tiles.block_k, TILES=tiles.tiles, STAGES=tiles.stages, SUMS=SUMS,
         num_warps=tiles.warps)
     return gated, code_grad, gate_grad, partial
 
