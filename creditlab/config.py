@@ -143,6 +143,9 @@ class TrainConfig:
     updates: int = 12
     seed: int = 42261
     lr_muon: float = 0.02
+    # grouped: torch.optim.Muon's update with the matrices of one shape orthogonalized together in batched
+    # products (optim.GroupedMuon); torch: torch.optim.Muon, one matrix after another
+    muon: str = "grouped"
     lr_embed: float = 0.3
     lr_head: float = 0.008
     lr_scalar: float = 0.02
@@ -215,6 +218,8 @@ class Config:
         for fused in ("mlp", "qk", "norm"):
             if "model" in d and fused not in d["model"]:
                 setattr(cfg.model, fused, "plain")  # a record from before the lean module: it ran the plain one
+        if "train" in d and "muon" not in d["train"]:
+            cfg.train.muon = "torch"  # a record from before the grouped Muon: it ran torch's
         for section, values in d.items():
             for key, value in values.items():
                 _assign(cfg, f"{section}.{key}", value)
@@ -362,6 +367,8 @@ def validate(cfg: Config) -> None:
         problems.append(f"train.compile must be auto|on|off, got {t.compile!r}")
     if t.compile_mode not in COMPILE_MODES:
         problems.append(f"train.compile_mode must be one of {'|'.join(COMPILE_MODES)}, got {t.compile_mode!r}")
+    if t.muon not in ("torch", "grouped"):
+        problems.append(f"train.muon must be torch|grouped, got {t.muon!r}")
     if t.sdpa not in ("auto", "flash", "cudnn", "efficient", "math"):
         problems.append(f"train.sdpa must be auto|flash|cudnn|efficient|math, got {t.sdpa!r}")
     if t.device not in ("auto", "cpu", "cuda"):

@@ -154,3 +154,56 @@ def test_state_dict_round_trip():
     assert a["muon"]["param_groups"] == b["muon"]["param_groups"]
     for k, v in b["adam"]["state"].items():
         torch.testing.assert_close(a["adam"]["state"][k]["exp_avg"], v["exp_avg"], rtol=0, atol=0)
+
+
+def _muon_steps(optimizer_class, steps=4, adjust_lr_fn="match_rms_adamw", nesterov=True, **kw):
+    """Parameters of three shapes (one the transpose of another) after `steps` Muon steps on the same random
+    gradients, from the same start."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(*shape)) for shape in [(96, 32), (32, 96), (32, 32), (96, 32), (32, 32)]]
+    opt = optimizer_class(params, lr=0.02, momentum=0.95, weight_decay=0.1, adjust_lr_fn=adjust_lr_fn,
+                          nesterov=nesterov, **kw)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    return [p.detach() for p in params], opt
+
+
+@pytest.mark.parametrize("adjust_lr_fn, nesterov", [("match_rms_adamw", True), ("original", True), (None, False)])
+def test_grouped_muon_takes_torch_muons_steps_exactly(adjust_lr_fn, nesterov):
+    """optim.GroupedMuon (the matrices of one shape orthogonalized together) against torch.optim.Muon: the same
+    parameters bit for bit on the CPU, and the same optimizer state, so each loads the other's checkpoint. The
+    "original" learning-rate adjustment tells 96 x 32 from 32 x 96."""
+    from creditlab.optim import GroupedMuon
+
+    want, torch_opt = _muon_steps(torch.optim.Muon, adjust_lr_fn=adjust_lr_fn, nesterov=nesterov)
+    got, grouped = _muon_steps(GroupedMuon, adjust_lr_fn=adjust_lr_fn, nesterov=nesterov)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    moved = max((a - b).abs().max().item() for a, b in zip(want, _muon_steps(torch.optim.Muon, steps=0)[0]))
+    assert moved > 1e-3  # the steps moved the parameters
+    mine, theirs = grouped.state_dict(), torch_opt.state_dict()
+    assert mine["param_groups"] == theirs["param_groups"]
+    assert all(torch.equal(mine["state"][i]["momentum_buffer"], theirs["state"][i]["momentum_buffer"])
+               for i in theirs["state"])
+
+
+def test_the_grouped_muon_comparison_fails_for_another_iteration_count():
+    from creditlab.optim import GroupedMuon
+
+    want, _ = _muon_steps(torch.optim.Muon)
+    got, _ = _muon_steps(GroupedMuon, ns_steps=4)
+    assert max((a - b).abs().max().item() for a, b in zip(got, want)) > 1e-4
+
+
+def test_train_muon_chooses_the_implementation():
+    model = small_model()
+    from creditlab.optim import GroupedMuon
+
+    assert type(Optimizers(model, config.load("tiny", SMALL).train).muon) is GroupedMuon  # the default
+    plain = Optimizers(model, config.load("tiny", SMALL + ["train.muon=torch"]).train).muon
+    assert type(plain) is torch.optim.Muon
+    assert config.Config.from_dict({"train": {"lr_muon": 0.02}}).train.muon == "torch"  # a record from before
+    with pytest.raises(config.ConfigError, match="train.muon must be torch|grouped"):
+        config.load("tiny", SMALL + ["train.muon=batched"])
