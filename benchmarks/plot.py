@@ -201,6 +201,10 @@ ARMS_FIGURES = [
     ("arms_graphs_seed.json", "arms_graphs_seed.png", "compiled graphs replayed as CUDA graphs (not kept)"),
     ("arms_decode_residual_seed.json", "arms_decode_residual_seed.png",
      "learned: MLP decode and residual add in the norm backward"),
+    ("arms_final_tree_seed.json", "arms_final_tree_seed.png", "credit arms on the tree the admitted screen ran"),
+    ("arms_grouped_muon_seed.json", "arms_grouped_muon_seed.png", "Muon: same-shaped matrices together vs torch's"),
+    ("arms_grouped_muon_second_seed.json", "arms_grouped_muon_second_seed.png", "the same, a second process"),
+    ("arms_grouped_muon_second_seed.json", "arms_grouped_muon_rows_seed.png", None),
 ]
 
 
