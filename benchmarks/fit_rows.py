@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from creditlab.credit.teacher import RankSpaceFit, rank_space_fit  # noqa: E402
 from creditlab.kernels import fit_rows  # noqa: E402
-from creditlab.runtime import cuda_ms, gpu_benchmark_folder  # noqa: E402
+from creditlab.runtime import cuda_ms, gpu_benchmark_folder, write_benchmark  # noqa: E402
 
 
 def main() -> int:
@@ -61,15 +60,13 @@ def main() -> int:
     result = {"shape": {"tokens": N, "width": d, "code_width": r2}, "times_ms": times, "kernel_ms": kernel_ms,
               "kernel_tb_per_s": moved / kernel_ms / 1e9, "tiles": dataclasses.asdict(fit_rows.DEFAULT_TILES),
               "bf16_rel_err": errors, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    (out / "fit_rows.json").write_text(json.dumps(result, indent=2))
     lines = [f"# One branch's rank-space fit, {N} tokens x {d}, code width {r2} (bf16 correction, "
              f"{result['device']}, torch {torch.__version__})", "", "| path | ms |", "|---|---|"]
     lines += [f"| {name} | {ms:.3f} |" for name, ms in times.items()]
     lines += ["", f"The kernel alone: {kernel_ms:.3f} ms, {result['kernel_tb_per_s']:.2f} TB/s of its least bytes "
               f"({moved / 1e6:.0f} MB).", "", "bf16 max error relative to the float64 result's largest entry:", ""]
     lines += [f"- {name}: " + ", ".join(f"{k} {v:.2e}" for k, v in e.items()) for name, e in errors.items()]
-    (out / "fit_rows.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines), flush=True)
+    write_benchmark(out, "fit_rows", result, lines)
     if args.tiles:
         tiles(true, gate, code, decoder, m, out / "fit_rows_tiles.txt")
     return 0

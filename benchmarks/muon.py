@@ -11,7 +11,6 @@ Writes DIR/muon.json and DIR/muon.md. Any CUDA machine.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -24,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from creditlab import config  # noqa: E402
 from creditlab.model import GPT  # noqa: E402
 from creditlab.optim import GroupedMuon, parameter_groups  # noqa: E402
-from creditlab.runtime import cuda_ms, gpu_benchmark_folder  # noqa: E402
+from creditlab.runtime import cuda_ms, gpu_benchmark_folder, write_benchmark  # noqa: E402
 
 
 def main() -> int:
@@ -61,15 +60,13 @@ def main() -> int:
               "host_to_gpu_end_ms": {k: statistics.median(v[2:]) for k, v in host.items()},
               "back_to_back_ms": gpu, "params_max_rel_diff_after_all_steps": diff,
               "device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    (out / "muon.json").write_text(json.dumps(result, indent=2))
     lines = [f"# Muon's step, {len(hidden)} matrices of the {args.preset} model ({result['device']}, torch "
              f"{torch.__version__})", "", "| implementation | ms a step, launch to GPU end (median) | ms a step, back to back |",
              "|---|---|---|"]
     lines += [f"| {k} | {result['host_to_gpu_end_ms'][k]:.2f} | {gpu[k]:.2f} |" for k in arms]
     lines += ["", f"After the same steps on the same gradients, the parameters' largest difference relative to the "
               f"largest entry: {diff:.1e}."]
-    (out / "muon.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines), flush=True)
+    write_benchmark(out, "muon", result, lines)
     return 0
 
 

@@ -11,7 +11,6 @@ Writes DIR/norm_decode.json and DIR/norm_decode.md. Any CUDA machine with Triton
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from creditlab.credit.predictor import norm_decode_backward  # noqa: E402
 from creditlab.kernels import norm_decode  # noqa: E402
 from creditlab.model import norm_backward, norm_with_scale  # noqa: E402
-from creditlab.runtime import cuda_ms, gpu_benchmark_folder  # noqa: E402
+from creditlab.runtime import cuda_ms, gpu_benchmark_folder, write_benchmark  # noqa: E402
 
 
 def plain(residual, n, scale, code, gate, decoder):
@@ -66,14 +65,12 @@ def main() -> int:
     result = {"shape": {"tokens": N, "width": d, "code_width": r2}, "times_ms": times, "kernel_ms": kernel_ms,
               "kernel_tb_per_s": moved / kernel_ms / 1e9, "bf16_rel_err": errors,
               "device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    (out / "norm_decode.json").write_text(json.dumps(result, indent=2))
     lines = [f"# One MLP branch's backward, {N} tokens x {d}, code width {r2} (bf16, {result['device']}, "
              f"torch {torch.__version__})", "", "| path | ms | bf16 error vs float64 (largest entry) |", "|---|---|---|"]
     lines += [f"| {name} | {times[name]:.3f} | {errors[name]:.2e} |" for name in paths]
     lines += ["", f"The kernel alone: {kernel_ms:.3f} ms, {result['kernel_tb_per_s']:.2f} TB/s of its least bytes "
               f"({moved / 1e6:.0f} MB)."]
-    (out / "norm_decode.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines), flush=True)
+    write_benchmark(out, "norm_decode", result, lines)
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import platform
 import subprocess
@@ -151,6 +152,14 @@ def gpu_benchmark_folder(out: str) -> Path | None:
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+def write_benchmark(folder: Path, stem: str, result: dict, lines: list[str]) -> None:
+    """A GPU benchmark's results: DIR/stem.json (the numbers) and DIR/stem.md (its table, also printed)."""
+    (folder / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    text = "\n".join(lines)
+    (folder / f"{stem}.md").write_text(text + "\n")
+    print(text, flush=True)
 
 
 def cuda_ms(fn, repeats: int = 30, warmup: int = 3) -> float:
