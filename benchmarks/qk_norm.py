@@ -10,7 +10,6 @@ program, warps) pair into DIR/qk_norm_tiles.txt. Any CUDA machine with Triton.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from creditlab.kernels import qk_norm_rotary as kernels  # noqa: E402
 from creditlab.model import Rotary, norm  # noqa: E402
 from creditlab.qk_norm import qk_norm_rotary  # noqa: E402
-from creditlab.runtime import cuda_ms, gpu_benchmark_folder  # noqa: E402
+from creditlab.runtime import cuda_ms, gpu_benchmark_folder, write_benchmark  # noqa: E402
 
 
 
@@ -79,7 +78,6 @@ def main() -> int:
     moved = qkv.numel() * 2 * 2  # the forward's bytes at the least: read q, k, v and write them
     result = {"shape": {"batch": B, "seq": T, "heads": H, "head_dim": hd}, "times": results,
               "bf16_rel_err": errors, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    (out / "qk_norm.json").write_text(json.dumps(result, indent=2))
     lines = [f"# QK-norm + rotary, {B} x {T} tokens, {H} x {hd} heads (bf16, {result['device']}, "
              f"torch {torch.__version__})", "", "| path | forward ms | forward + backward ms | forward TB/s |",
              "|---|---|---|---|"]
@@ -88,8 +86,7 @@ def main() -> int:
                      f"{moved / r['forward_ms'] / 1e9:.2f} |")
     lines += ["", "bf16 max error relative to the float64 result's largest entry:", ""]
     lines += [f"- {name}: " + ", ".join(f"{k} {v:.2e}" for k, v in e.items()) for name, e in errors.items()]
-    (out / "qk_norm.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_benchmark(out, "qk_norm", result, lines)
     if args.tiles:
         tiles(qkv.detach(), grads, rot, H, out / "qk_norm_tiles.txt")
     return 0

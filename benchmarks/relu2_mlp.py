@@ -9,7 +9,6 @@ Writes DIR/relu2_mlp.json and DIR/relu2_mlp.md. Any CUDA machine with Triton.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from creditlab import relu2  # noqa: E402
 from creditlab.kernels import relu2_matmul as rm  # noqa: E402
-from creditlab.runtime import cuda_ms, gpu_benchmark_folder  # noqa: E402
+from creditlab.runtime import cuda_ms, gpu_benchmark_folder, write_benchmark  # noqa: E402
 
 # The 128 x 256 x 64 tile with the epilogue in two halves is the only one whose derivative epilogue fits the
 # shared memory at three stages (results/relu2_mlp_configs_seed.md has the others).
@@ -116,7 +115,6 @@ def main() -> int:
         whole[name] = cuda_ms(step)
     result = {"shape": {"tokens": M, "width": d, "hidden": m}, "rows": rows, "bf16_rel_err": errors,
               "mlp_fwd_bwd_ms": whole, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    (out / "relu2_mlp.json").write_text(json.dumps(result, indent=2))
     lines = [f"# Fused MLP kernels, {M} tokens x {d} -> {m} (bf16, {result['device']}, torch {torch.__version__})",
              "", "| op | implementation | config (BM, BN, BK, group, stages, warps, subtiles) | ms | TFLOP/s |",
              "|---|---|---|---|---|"]
@@ -131,8 +129,7 @@ def main() -> int:
     lines += [f"- {k}: {v:.2e}" for k, v in errors.items()]
     lines += ["", f"Whole MLP forward + backward (compiled, autocast): plain {whole['plain']:.3f} ms, "
               f"fused {whole['fused']:.3f} ms ({whole['fused'] / whole['plain']:.3f} x)"]
-    (out / "relu2_mlp.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_benchmark(out, "relu2_mlp", result, lines)
     return 0
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from creditlab.kernels._triton import tl, triton
+from creditlab.kernels._triton import launcher, tl, triton
 
 SUMS = 3  # partial's leading columns: |c|^2, |pred|^2, <pred, c>; then the (2r, 2r) Gram matrix
 
@@ -128,6 +128,4 @@ if triton is not None:
         """`fit_rows` as the compiler sees it: a Triton operator, which the compiled backward launches from its own
         code (an opaque custom operator costs a Python dispatch and launch per call, and the teacher makes one
         per branch and micro-batch)."""
-        # the interpreter (CPU tensors) runs the kernel as it is; wrap_triton needs a compiled one
-        kernel = _fit_rows if c.device.type == "cpu" else torch.library.wrap_triton(_fit_rows)
-        return _run(kernel, c, gate, code, decoder, gram_weights)
+        return _run(launcher(_fit_rows, c), c, gate, code, decoder, gram_weights)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from creditlab.kernels._triton import tl, triton
+from creditlab.kernels._triton import launcher, tl, triton
 
 ROWS, WARPS = 32, 8  # tokens per program; the (ROWS, d) float32 tile of c lives in registers
 
@@ -79,6 +79,4 @@ if triton is not None:
                        decoder: torch.Tensor) -> torch.Tensor:
         """`norm_decode_backward` as the compiler sees it: a Triton operator its backward launches from its own code
         (an opaque custom operator costs a Python dispatch per call, one per branch and micro-batch)."""
-        # the interpreter (CPU tensors) runs the kernel as it is; wrap_triton needs a compiled one
-        kernel = _norm_decode_backward if n.device.type == "cpu" else torch.library.wrap_triton(_norm_decode_backward)
-        return _run(kernel, dn, residual, n, scale, code, gate, decoder)
+        return _run(launcher(_norm_decode_backward, n), dn, residual, n, scale, code, gate, decoder)
