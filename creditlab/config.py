@@ -82,6 +82,10 @@ class CreditConfig:
     # residual gradient (kernels/norm_decode.py, Triton on CUDA; measured slower, benchmarks/predictor_cost.md);
     # plain decodes it in a product of its own, then autograd adds it to the norm's input
     decode: str = "plain"
+    # streaming only: merged computes each attention branch's state gate in the branch's Q/K/V product (the gate's
+    # rows appended to W_qkv), so the branch input is read once for both; separate gives the gate a product of its
+    # own. MLP branches keep their own product either way: their expansion is the fused ReLU^2 kernel.
+    gates: str = "separate"
     predictor_lr: float = 1e-2  # held-out fit after 150 teacher steps (tiny): 3e-3 0.82, 1e-2 0.78, 3e-2 0.77, 1e-1 0.81
     # The teacher's fit products over (B, T, d): "auto" runs them in the gradient's dtype (bf16 under autocast,
     # with float32 sums); "float32" always in float32 or better.
@@ -115,6 +119,7 @@ LEAN_MODULES = (("mlp", "fused", "mlp", "the fused MLP keeps only ReLU^2's outpu
                 ("qk", "fused", "qk", "the fused QK-norm keeps only what attention keeps"),
                 ("norm", "keep_output", "norm", "norms keeping their output keep nothing of their own"))
 FITS = ("adam", "lstsq")
+GATES = ("separate", "merged")
 DFA_SCALES = ("none", "calibrated")
 
 
@@ -133,7 +138,7 @@ def parse_recompute(spec: str) -> frozenset[str]:
     return parts
 
 
-COMPILE_MODES = ("default", "coordinate-descent", "max-autotune-no-cudagraphs")
+COMPILE_MODES = ("default", "coordinate-descent", "pdl", "max-autotune-no-cudagraphs")
 
 
 @dataclass
@@ -157,7 +162,9 @@ class TrainConfig:
     loss_chunk: int = 8_192
     compile: str = "auto"  # auto (on CUDA) | on | off
     compile_mode: str = "default"  # default | coordinate-descent (tune fused kernels' launch configs) |
-    # max-autotune-no-cudagraphs (also Triton matmuls with fused epilogues; compiles for many minutes)
+    # pdl (generated kernels launched as programmatic dependents: each may start while the one before finishes;
+    # Hopper and later) | max-autotune-no-cudagraphs (also Triton matmuls with fused epilogues; compiles for many
+    # minutes)
     sdpa: str = "auto"  # attention kernel: auto | flash | cudnn | efficient | math
     activation_budget: float = 1.0  # < 1: ask the compiler to recompute activations to fit this fraction
     device: str = "auto"  # auto | cpu | cuda
@@ -397,6 +404,8 @@ def validate(cfg: Config) -> None:
         problems.append(f"credit.fit_rows must be one of {'|'.join(MLPS)}, got {c.fit_rows!r}")
     if c.decode not in MLPS:
         problems.append(f"credit.decode must be one of {'|'.join(MLPS)}, got {c.decode!r}")
+    if c.gates not in GATES:
+        problems.append(f"credit.gates must be one of {'|'.join(GATES)}, got {c.gates!r}")
     if c.fit_precision not in ("auto", "float32"):
         problems.append(f"credit.fit_precision must be auto|float32, got {c.fit_precision!r}")
     if c.teacher_every < 0:

@@ -85,6 +85,9 @@ def leave_process_group() -> None:
         dist.destroy_process_group()
 
 
+COMPILE_OPTIONS = {"coordinate-descent": {"coordinate_descent_tuning": True}, "pdl": {"triton.enable_pdl": True}}
+
+
 def maybe_compile(fn, runtime: Runtime, activation_budget: float = 1.0, mode: str = "default"):
     """torch.compile when asked; if compilation fails at the first call, warn and fall back to eager."""
     if not runtime.compile:
@@ -92,8 +95,8 @@ def maybe_compile(fn, runtime: Runtime, activation_budget: float = 1.0, mode: st
     if activation_budget < 1.0:
         import torch._functorch.config as functorch_config
         functorch_config.activation_memory_budget = activation_budget
-    if mode == "coordinate-descent":  # per-compile options, so other compiled functions keep the defaults
-        compiled = torch.compile(fn, options={"coordinate_descent_tuning": True})
+    if mode in COMPILE_OPTIONS:  # per-compile options, so other compiled functions keep the defaults
+        compiled = torch.compile(fn, options=COMPILE_OPTIONS[mode])
     else:
         compiled = torch.compile(fn, mode=None if mode == "default" else mode)
     state = {"fn": compiled}

@@ -172,10 +172,12 @@ def fused_mlp_through_kernel():
         relu2_matmul.EXPAND_TILES, relu2_matmul.DGRAD_TILES = tiles
 
 
-def qk_norm_rotary_errors(B, T, heads, hd, seed=0, wrong_eps=False):
+def qk_norm_rotary_errors(B, T, heads, hd, seed=0, wrong_eps=False, extra_columns=0):
     """The QK-norm + rotary kernels on fresh random float32 inputs, into NaN-poisoned outputs, against the plain
     float64 model arithmetic (norm, then rotary) and its autograd gradient; T not a multiple of the kernel's rows.
-    `wrong_eps` runs the kernel's forward with eps 1e-2 instead of the model's 1e-6."""
+    `wrong_eps` runs the kernel's forward with eps 1e-2 instead of the model's 1e-6. `extra_columns` > 0 hands the
+    forward qkv as the leading columns of a wider NaN-padded product (read in place, as with merged gates): a read
+    past qkv's own columns would bring NaN into q, k or v."""
     from creditlab import qk_norm
     from creditlab.kernels import qk_norm_rotary as qk_kernels
     from creditlab.model import Rotary, norm
@@ -185,7 +187,12 @@ def qk_norm_rotary_errors(B, T, heads, hd, seed=0, wrong_eps=False):
     qkv = torch.randn(B, T, 3 * heads * hd, generator=g) * 3
     nan = lambda *shape: torch.full(shape, float("nan"))  # noqa: E731
     out = (nan(B, T, heads, hd), nan(B, T, heads, hd), nan(B, T, heads, hd), nan(B, T, 2, heads))
-    q, k, v, scales = qk_kernels.qk_norm_rotary_forward(qkv, rot.cos, rot.sin, heads, 1e-2 if wrong_eps else 1e-6,
+    given = qkv
+    if extra_columns:
+        wide = torch.cat([qkv, nan(B, T, extra_columns)], dim=-1)
+        given = wide[..., :qkv.shape[-1]]
+        assert not given.is_contiguous()
+    q, k, v, scales = qk_kernels.qk_norm_rotary_forward(given, rot.cos, rot.sin, heads, 1e-2 if wrong_eps else 1e-6,
                                                         out=out)
     grads = [torch.randn(B, T, heads, hd, generator=g) for _ in range(3)]
     dqkv = qk_kernels.qk_norm_rotary_backward(*grads, q, k, scales, rot.cos, rot.sin,
@@ -372,6 +379,7 @@ if __name__ == "__main__":
         "qk_even": qk_norm_rotary_errors(2, 32, 2, 16),
         "qk_partial_rows": qk_norm_rotary_errors(1, 37, 3, 8, seed=1),
         "qk_wrong_eps": qk_norm_rotary_errors(2, 32, 2, 16, wrong_eps=True),
+        "qk_strided_rows": qk_norm_rotary_errors(2, 21, 2, 16, seed=2, extra_columns=12),
         "relu2_even": relu2_errors(64, 32, 64, 2),
         "relu2_partial": relu2_errors(100, 40, 72, 2, seed=1),
         "relu2_one_subtile": relu2_errors(100, 40, 72, 1, seed=2),

@@ -593,6 +593,71 @@ def test_the_decode_inside_the_norm_backward_gives_the_streaming_gradients(sourc
     assert CreditConfig().decode == "plain"  # the default, until measured on the GPU
 
 
+@pytest.mark.parametrize("source, decode", [(LearnedSource, "plain"), (TypedSource, "plain"), (LearnedSource, "fused")])
+def test_merged_gates_give_the_separate_gates_gradients(source, decode):
+    """credit.gates=merged (each attention branch's state gate computed in its Q/K/V product) against the gate's
+    own product, float64: every trunk gradient, W_qkv's included, to 1e-12, with corrections that matter."""
+    from creditlab.credit.predictor import LearnedCredit
+
+    model = checks.randomized_model(SMALL, 0)
+    idx, targets = checks._batch(SMALL, 0)
+    grads = {}
+    for gates in ("separate", "merged"):
+        src = source(SMALL, CreditConfig(rank=8, decode=decode, gates=gates)).double()
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for p in src.parameters():
+                p.normal_(0.0, 0.3)
+        credit = src.step()
+        assert isinstance(credit, LearnedCredit) and credit.merged_gates == (gates == "merged")
+        grads[gates] = checks._trunk_grads(model, idx, targets, credit)
+        assert not credit.waiting  # every noted attention branch had its product
+    assert max(checks._rel_errors(grads["merged"], grads["separate"]).values()) < 1e-12
+    zero = checks._trunk_grads(model, idx, targets, ZeroSource().step())
+    assert max(checks._rel_errors(zero, grads["separate"]).values()) > 1e-3
+    assert CreditConfig().gates == "separate"  # the default, until measured on the GPU
+
+
+def test_a_gate_merged_into_the_wrong_rows_is_caught():
+    """The check above can fail: gates read from the product's first rows instead of its last change the
+    gradients."""
+    from creditlab.credit import predictor as predictor_mod
+
+    model = checks.randomized_model(SMALL, 0)
+    idx, targets = checks._batch(SMALL, 0)
+    src = LearnedSource(SMALL, CreditConfig(rank=8, gates="merged")).double()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in src.parameters():
+            p.normal_(0.0, 0.3)
+    right = checks._trunk_grads(model, idx, targets, src.step())
+    original = predictor_mod._ProductWithGate.forward
+
+    def first_rows(ctx, n, weight, gate_weight):
+        y, gate = original(ctx, n, weight, gate_weight)
+        return y, torch.sigmoid(y[..., :gate.shape[-1]])
+
+    predictor_mod._ProductWithGate.forward = staticmethod(first_rows)
+    try:
+        wrong = checks._trunk_grads(model, idx, targets, src.step())
+    finally:
+        predictor_mod._ProductWithGate.forward = staticmethod(original)
+    assert max(checks._rel_errors(wrong, right).values()) > 1e-3
+
+
+def test_merged_gates_compile_to_one_graph_and_train_as_eager(monkeypatch):
+    cfg = load("tiny", ["model.vocab_size=97", "credit.source=learned", "credit.gates=merged"])
+    source = make_source(cfg)
+    model = GPT(cfg.model)
+    idx = torch.randint(0, 97, (2, 16))
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(idx, idx, credit=source.step())
+    assert explained.graph_break_count == 0, explained.break_reasons
+    rows, _, _ = train_eager_and_compiled(["model.vocab_size=97", "credit.source=learned", "train.updates=3",
+                                           "credit.teacher_every=2", "credit.gates=merged"], monkeypatch)
+    assert [r.kind for r in rows] == ["teacher", "synthetic", "teacher"]
+
+
 def test_the_decode_inside_the_norm_compiles_to_one_graph_and_trains_as_eager(monkeypatch):
     cfg = load("tiny", ["model.vocab_size=97", "credit.source=learned", "credit.decode=fused"])
     source = make_source(cfg)

@@ -74,7 +74,7 @@ def test_the_fused_mlp_through_the_kernels_matches_the_float64_mlp(report):
     assert max(r["errors"].values()) < 1e-5, r
 
 
-@pytest.mark.parametrize("case", ["qk_even", "qk_partial_rows"])
+@pytest.mark.parametrize("case", ["qk_even", "qk_partial_rows", "qk_strided_rows"])
 def test_qk_norm_rotary_kernels_match_the_float64_model_and_write_every_element(report, case):
     r = report[case]
     assert r["all_written"], r
@@ -140,7 +140,7 @@ def _hopper_cases():
         "fit_rows": (fit_rows._fit_rows, ["*bf16"] * 4 + ["*fp32", "*bf16", "*fp32", "*bf16", "*fp32", "i32"],
                      {"D": 512, "R2": 64, "ROWS": tiles.rows, "BK": tiles.block_k, "TILES": tiles.tiles,
                       "STAGES": tiles.stages, "SUMS": fit_rows.SUMS}, tiles.warps),
-        "qk_forward": (qk._qk_forward, ["*bf16"] * 4 + ["*fp32"] * 3 + ["i32", "i32", "fp32"],
+        "qk_forward": (qk._qk_forward, ["*bf16"] * 4 + ["*fp32"] * 3 + ["i32", "i32", "i32", "fp32"],
                        {"H": 4, "HD": 128, "ROWS": qk.ROWS}, qk.WARPS),
         "qk_backward": (qk._qk_backward, ["*bf16"] * 5 + ["*fp32"] * 3 + ["*bf16", "i32", "i32"],
                         {"H": 4, "HD": 128, "ROWS": qk.BACKWARD_ROWS}, qk.BACKWARD_WARPS),

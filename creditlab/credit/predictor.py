@@ -95,6 +95,12 @@ class Predictor(nn.Module):
         return (gate * code[..., self.code_slice(b)].to(gate.dtype)) @ self.decoders[b].to(gate.dtype).t()
 
     # ---- its adjoint, for streaming injection -----------------------------------------------------------
+    def product_with_share(self, b: int, n: torch.Tensor, n_omitted: torch.Tensor, weight: torch.Tensor):
+        """(n_omitted W^T, the branch's share of the adjoint): the share of `branch_adjoint` with its state gate
+        computed in the branch's product (`credit.gates=merged`). Only n carries the share's gradient."""
+        y, gate = _ProductWithGate.apply(n_omitted, weight, self.state_gates[b].detach())
+        return y, self.widen(b, _GateShare.apply(n, gate, self.decoders[b].detach()))
+
     def branch_adjoint(self, b: int, n: torch.Tensor) -> torch.Tensor:
         """g_b * (n_b D_b): the branch's share of the adjoint, (B, T, code_width). Only n carries gradient."""
         return self.widen(b, _GatedAdjoint.apply(n, self.state_gates[b].detach(), self.decoders[b].detach()))
@@ -132,15 +138,14 @@ class _CodeTap(torch.autograd.Function):
         return e, ctx.predictor.code(e, a, a_rev).to(ctx.total_dtype), None, None, None
 
 
-class _GatedAdjoint(torch.autograd.Function):
-    """The branch's share of the adjoint, g * (n D) with the state gate g = sigmoid(n G^T), as far as autograd
-    sees it: its backward is the branch's decode, (grad * g) D^T. Its forward value is never read (the tap,
-    _CodeTap, passes x_L through and uses only the gradient path of the summed shares), so the forward computes
-    the gate alone and returns zeros of the share's shape: n D is never formed."""
+class _GateShare(torch.autograd.Function):
+    """The branch's share of the adjoint, g * (n D) for the state gate g, as far as autograd sees it: its
+    backward is the branch's decode, (grad * g) D^T. Its forward value is never read (the tap, _CodeTap, passes
+    x_L through and uses only the gradient path of the summed shares), so the forward returns zeros of the
+    share's shape: n D is never formed. Here the gate comes computed (in the branch's product, _ProductWithGate)."""
 
     @staticmethod
-    def forward(ctx, n, gate_weight, decoder):
-        gate = torch.sigmoid(n @ gate_weight.t().to(n.dtype))  # (B, T, 2r)
+    def forward(ctx, n, gate, decoder):
         ctx.save_for_backward(gate, decoder)
         return torch.zeros_like(gate)
 
@@ -148,6 +153,42 @@ class _GatedAdjoint(torch.autograd.Function):
     def backward(ctx, grad):
         gate, decoder = ctx.saved_tensors
         return (grad * gate) @ decoder.t().to(grad.dtype), None, None
+
+
+class _GatedAdjoint(_GateShare):
+    """_GateShare with the state gate g = sigmoid(n G^T) computed in its own product."""
+
+    @staticmethod
+    def forward(ctx, n, gate_weight, decoder):
+        gate = torch.sigmoid(n @ gate_weight.t().to(n.dtype))  # (B, T, 2r)
+        ctx.save_for_backward(gate, decoder)
+        return torch.zeros_like(gate)
+
+
+class _ProductWithGate(torch.autograd.Function):
+    """(n W^T, sigmoid(n G^T)) from one product with [W ; G]: the omitted product of a branch and its state gate,
+    reading n once. n arrives detached (the product's input gradient is the one omitted); W gets its weight
+    gradient dY^T n; the gate is a forward state (G is fitted on teacher updates only). The first output is a
+    view of the product's (tokens, rows of W + 2r) result, which the QK-norm kernel reads strided."""
+
+    @staticmethod
+    def forward(ctx, n, weight, gate_weight):
+        kind = n.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else n.dtype
+        n = n.to(dtype)
+        out = n @ torch.cat([weight, gate_weight]).to(dtype).t()
+        rows = weight.shape[0]
+        gate = torch.sigmoid(out[..., rows:])
+        ctx.save_for_backward(n)
+        ctx.weight_dtype = weight.dtype
+        ctx.mark_non_differentiable(gate)
+        return out[..., :rows], gate
+
+    @staticmethod
+    def backward(ctx, dy, _):
+        (n,) = ctx.saved_tensors
+        dw = dy.reshape(-1, dy.shape[-1]).t() @ n.reshape(-1, n.shape[-1]).to(dy.dtype)
+        return None, dw.to(ctx.weight_dtype), None
 
 
 def norm_decode_backward(dn: torch.Tensor | None, residual: torch.Tensor | None, n: torch.Tensor,
@@ -190,17 +231,37 @@ class _NormGatedAdjoint(torch.autograd.Function):
         return dx.view(n.shape), None, None
 
 
-class FusedDecodeCredit(AdjointCredit):
+class LearnedCredit(AdjointCredit):
+    """The streaming injection of the learned source. With merged gates, an attention branch's state gate is
+    computed in its Q/K/V product (`credit.gates=merged`): `branch` then only notes the branch input, and
+    `product` forms the product, the gate and the branch's share together."""
+
+    def __init__(self, predictor: "Predictor", merged_gates: bool = False):
+        super().__init__(predictor.branch_adjoint, predictor.tap)
+        self.predictor, self.merged_gates = predictor, merged_gates
+        self.waiting: dict[int, torch.Tensor] = {}  # attention branches whose share comes with their product
+
+    def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
+        if not (self.merged_gates and branch_kind(index) == "attn"):
+            return super().branch(index, n)
+        self.waiting[index] = n
+        return n.detach()
+
+    def product(self, index: int, n: torch.Tensor, weight: torch.Tensor, activation: str | None = None):
+        if index not in self.waiting or activation is not None:
+            return super().product(index, n, weight, activation)
+        y, share = self.predictor.product_with_share(index, self.waiting.pop(index), n, weight)
+        self.total = share if self.total is None else self.total + share
+        return y
+
+
+class FusedDecodeCredit(LearnedCredit):
     """The streaming injection with each MLP branch's decode inside its norm's backward, which also adds the
     residual gradient passing the branch (`credit.decode=fused`). An MLP branch's n has no exact use in the
     synthetic backward, so its whole backward is that one pass. An attention branch's n feeds the attention gate
     exactly; fused, the gate's (tokens, gate_dim) gradient would be written out padded to (tokens, d) for the
     kernel, costing what the unwritten correction saves, so attention branches keep the plain streaming path. The
     norm of a fused branch is the source's: the block's `model.recompute=norm` does not reach it."""
-
-    def __init__(self, predictor: "Predictor"):
-        super().__init__(predictor.branch_adjoint, predictor.tap)
-        self.predictor = predictor
 
     def normed_branch(self, index: int, x: torch.Tensor, norm_fn):
         if branch_kind(index) != "mlp":
@@ -226,9 +287,8 @@ class LearnedSource(FittedSource):
     def step(self) -> OmitCredit:
         if self.materialized:
             return MaterializedCredit(self.predictor)
-        if self.credit_cfg.decode == "fused":
-            return FusedDecodeCredit(self.predictor)
-        return AdjointCredit(self.predictor.branch_adjoint, self.predictor.tap)
+        credit = FusedDecodeCredit if self.credit_cfg.decode == "fused" else LearnedCredit
+        return credit(self.predictor, merged_gates=self.credit_cfg.gates == "merged")
 
     def make_teacher(self):
         return LearnedTeacher(self.predictor, self.credit_cfg)

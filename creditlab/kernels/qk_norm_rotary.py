@@ -42,14 +42,14 @@ if triton is not None:
         return rows, valid, cols, c, s, out_at
 
     @triton.jit
-    def _qk_forward(qkv, q_out, k_out, v_out, scale_out, cos, sin, tokens, T, H: tl.constexpr, HD: tl.constexpr,
-                 eps, ROWS: tl.constexpr):
+    def _qk_forward(qkv, q_out, k_out, v_out, scale_out, cos, sin, tokens, T, row_stride, H: tl.constexpr,
+                    HD: tl.constexpr, eps, ROWS: tl.constexpr):
         HALF: tl.constexpr = HD // 2
         rows, valid, cols, c, s, out_at = _block(cos, sin, tokens, T, H, HD, ROWS)
         width = H * HD
         head = tl.program_id(1)
         for part in tl.static_range(2):  # q, then k
-            at = rows[:, None] * (3 * width) + part * width + head * HD + cols[None, :]
+            at = rows[:, None] * row_stride + part * width + head * HD + cols[None, :]
             x1 = tl.load(qkv + at, mask=valid[:, None], other=0.0).to(tl.float32)
             x2 = tl.load(qkv + at + HALF, mask=valid[:, None], other=0.0).to(tl.float32)
             scale = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HD + eps)
@@ -61,7 +61,7 @@ if triton is not None:
             tl.store(dst + out_at, (n1 * c + n2 * s).to(dst.dtype.element_ty), mask=valid[:, None])
             tl.store(dst + out_at + HALF, (n2 * c - n1 * s).to(dst.dtype.element_ty), mask=valid[:, None])
             tl.store(scale_out + (rows * 2 + part) * H + head, scale, mask=valid)
-        at = rows[:, None] * (3 * width) + 2 * width + head * HD + cols[None, :]
+        at = rows[:, None] * row_stride + 2 * width + head * HD + cols[None, :]
         for half in tl.static_range(2):
             v = tl.load(qkv + at + half * HALF, mask=valid[:, None], other=0.0)
             tl.store(v_out + out_at + half * HALF, v, mask=valid[:, None])
@@ -109,17 +109,19 @@ def qk_norm_rotary_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
                            out=None):
     """(q, k, v, scales) from qkv (B, T, 3 * width): q and k normalized and rotated, v copied, each (B, T, heads,
     head_dim) in qkv's dtype; scales (B, T, 2, heads) float32, the 1/rms of q and k. cos, sin: (>= T, head_dim/2)
-    float32. `out`: the four outputs, preallocated (the tests poison them)."""
+    float32. `out`: the four outputs, preallocated (the tests poison them). qkv's rows may lie further apart than
+    their width (a view of a wider product's columns, `credit.gates=merged`): they are read in place."""
     B, T, three_width = qkv.shape
     hd = three_width // 3 // heads
-    qkv = qkv.contiguous()
+    if not (qkv.stride(-1) == 1 and qkv.stride(0) == T * qkv.stride(1)):
+        qkv = qkv.contiguous()
     if out is None:
         out = (*(qkv.new_empty((B, T, heads, hd)) for _ in range(3)),
                torch.empty((B, T, 2, heads), dtype=torch.float32, device=qkv.device))
     q, k, v, scales = out
     tokens = B * T
-    _qk_forward[_grid(tokens, heads)](qkv, q, k, v, scales, cos.contiguous(), sin.contiguous(), tokens, T, H=heads,
-                                   HD=hd, eps=eps, ROWS=ROWS, num_warps=WARPS)
+    _qk_forward[_grid(tokens, heads)](qkv, q, k, v, scales, cos.contiguous(), sin.contiguous(), tokens, T, qkv.stride(1),
+                                      H=heads, HD=hd, eps=eps, ROWS=ROWS, num_warps=WARPS)
     return q, k, v, scales
 
 
