@@ -87,3 +87,28 @@ def test_gpu_benchmarks_refuse_a_machine_without_cuda(script, tmp_path, monkeypa
     assert load(script).main() == 2
     assert capsys.readouterr().err.strip() == "this benchmark needs a CUDA GPU"
     assert not (tmp_path / "out").exists()
+
+
+def test_kernel_bandwidth_joins_trace_times_with_the_compilers_byte_counts(tmp_path):
+    """Bytes come from the generated sources; a name the compiler gave kernels of two sizes gets no bandwidth,
+    and a kernel's excess is its time less its bytes at the streaming rate."""
+    kb = load("kernel_bandwidth")
+
+    def source(name, gb):
+        body = "'''" + f"\n@triton_heuristics.pointwise(inductor_meta={{'kernel_num_gb': {gb}}})\ndef {name}(): pass\n" + "'''"
+        return f"{name} = async_compile.triton('{name}', {body}, device_str='cuda')\n"
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "fwd.py").write_text(source("triton_poi_fused_add_0", 0.43) + source("triton_red_sum_1", 0.1))
+    (tmp_path / "bwd.py").write_text(source("triton_red_sum_1", 0.2))
+    sizes = kb.kernel_bytes(tmp_path)
+    assert sizes == {"triton_poi_fused_add_0": {0.43}, "triton_red_sum_1": {0.1, 0.2}}
+    measured = {"arm": "native", "times": {"triton_poi_fused_add_0": {"calls": 4, "ms": 0.8},
+                                           "triton_red_sum_1": {"calls": 2, "ms": 5.0}}}
+    result, lines = kb.table(measured, sizes, top=10)
+    add, ambiguous = result["kernels"]
+    assert add["kernel"] == "triton_poi_fused_add_0" and ambiguous["gb_per_call"] is None
+    assert add["ms_at_streaming_rate"] == pytest.approx(4 * 0.43 / kb.STREAMING_GBPS * 1e3)  # 0.4 ms
+    assert result["over_streaming_ms"] == pytest.approx(0.8 - 0.4)
+    assert "| 2.15 | +0.40 |" in lines[4]  # 1.72 GB in 0.8 ms
+    assert lines[5].endswith("| - | - | - |")
