@@ -360,6 +360,23 @@ def paired_ms(rows: list[dict], base_rows: list[dict], window: int = 6) -> tuple
     return statistics.median(diffs), min(diffs), max(diffs)
 
 
+def round_ratio(rows: list[dict], base_rows: list[dict], skip: int = 2, resamples: int = 2000,
+                seed: int = 0) -> tuple[float, float, float, int] | None:
+    """The median over rounds after the first `skip` of the per-round ratio rows / base_rows, with a 95%
+    bootstrap interval of that median (rounds resampled with replacement, a fixed seed): what the arms' last-six
+    medians estimate, from every round that did not compile, with its uncertainty beside it. None if the arms ran
+    different rounds or fewer than three remain."""
+    if len(rows) != len(base_rows) or len(rows) - skip < 3:
+        return None
+    import random
+
+    ratios = [a["seconds"] / b["seconds"] for a, b in zip(rows[skip:], base_rows[skip:])]
+    draw = random.Random(seed)
+    medians = sorted(statistics.median(draw.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return (statistics.median(ratios), medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1],
+            len(ratios))
+
+
 def markdown(results: list[dict], meta: dict) -> str:
     base = results[0]["median_last6_s"]
     paired = meta["schedule"] == "interleaved"
@@ -369,8 +386,9 @@ def markdown(results: list[dict], meta: dict) -> str:
              f"{SCHEDULES[meta['schedule']]}",
              "", "| arm | s/update | ratio vs " + results[0]["arm"] + " | tokens/s | MFU | peak alloc MiB | "
              "peak reserved MiB | first update s | last loss |" + (" paired ms vs " + results[0]["arm"] +
-                                                                 " (median, range) |" if paired else ""),
-             "|---|---|---|---|---|---|---|---|---|" + ("---|" if paired else "")]
+                                                                 " (median, range) | ratio per round, rounds 3 on "
+                                                                 "(median, 95% interval) |" if paired else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if paired else "")]
     notes = []
     for r in results:
         mfu = f"{100 * r['median_last6_mfu']:.1f}%" if r["median_last6_mfu"] is not None else "-"
@@ -388,10 +406,15 @@ def markdown(results: list[dict], meta: dict) -> str:
         if paired:
             diff = None if "cycle_s" in r or r is results[0] else paired_ms(r["rows"], results[0]["rows"])
             line += " - |" if diff is None else f" {diff[0]:+.1f} ({diff[1]:+.1f} .. {diff[2]:+.1f}) |"
+            ratio = None if "cycle_s" in r or r is results[0] else round_ratio(r["rows"], results[0]["rows"])
+            line += " - |" if ratio is None else f" {ratio[0]:.4f} ({ratio[1]:.4f} .. {ratio[2]:.4f}) |"
         lines.append(line)
     if paired:
         notes.append("paired ms: per round, the arm's update time minus the first arm's in the same round, over the "
                      "last six rounds (a cycle mixes kinds of update and has none).")
+        notes.append("ratio per round: the arm's update time over the first arm's in the same round, its median over "
+                     "every round from the third (the first two compile and warm), with a 95% bootstrap interval of "
+                     "that median.")
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
