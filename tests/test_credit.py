@@ -645,8 +645,9 @@ def test_a_gate_merged_into_the_wrong_rows_is_caught():
     assert max(checks._rel_errors(wrong, right).values()) > 1e-3
 
 
-def test_merged_gates_compile_to_one_graph_and_train_as_eager(monkeypatch):
-    cfg = load("tiny", ["model.vocab_size=97", "credit.source=learned", "credit.gates=merged"])
+@pytest.mark.parametrize("option", ["credit.decode=fused", "credit.gates=merged"])
+def test_the_fused_decode_and_merged_gates_compile_to_one_graph_and_train_as_eager(option, monkeypatch):
+    cfg = load("tiny", ["model.vocab_size=97", "credit.source=learned", option])
     source = make_source(cfg)
     model = GPT(cfg.model)
     idx = torch.randint(0, 97, (2, 16))
@@ -654,18 +655,5 @@ def test_merged_gates_compile_to_one_graph_and_train_as_eager(monkeypatch):
     explained = torch._dynamo.explain(model)(idx, idx, credit=source.step())
     assert explained.graph_break_count == 0, explained.break_reasons
     rows, _, _ = train_eager_and_compiled(["model.vocab_size=97", "credit.source=learned", "train.updates=3",
-                                           "credit.teacher_every=2", "credit.gates=merged"], monkeypatch)
-    assert [r.kind for r in rows] == ["teacher", "synthetic", "teacher"]
-
-
-def test_the_decode_inside_the_norm_compiles_to_one_graph_and_trains_as_eager(monkeypatch):
-    cfg = load("tiny", ["model.vocab_size=97", "credit.source=learned", "credit.decode=fused"])
-    source = make_source(cfg)
-    model = GPT(cfg.model)
-    idx = torch.randint(0, 97, (2, 16))
-    torch._dynamo.reset()
-    explained = torch._dynamo.explain(model)(idx, idx, credit=source.step())
-    assert explained.graph_break_count == 0, explained.break_reasons
-    rows, _, _ = train_eager_and_compiled(["model.vocab_size=97", "credit.source=learned", "train.updates=3",
-                                           "credit.teacher_every=2", "credit.decode=fused"], monkeypatch)
+                                           "credit.teacher_every=2", option], monkeypatch)
     assert [r.kind for r in rows] == ["teacher", "synthetic", "teacher"]
