@@ -84,7 +84,8 @@ class CreditConfig:
     decode: str = "plain"
     # streaming only: merged computes each attention branch's state gate in the branch's Q/K/V product (the gate's
     # rows appended to W_qkv), so the branch input is read once for both; separate gives the gate a product of its
-    # own. MLP branches keep their own product either way: their expansion is the fused ReLU^2 kernel.
+    # own (no gain measured, benchmarks/predictor_cost.md). MLP branches keep their own product either way: their
+    # expansion is the fused ReLU^2 kernel.
     gates: str = "separate"
     predictor_lr: float = 1e-2  # held-out fit after 150 teacher steps (tiny): 3e-3 0.82, 1e-2 0.78, 3e-2 0.77, 1e-1 0.81
     # The teacher's fit products over (B, T, d): "auto" runs them in the gradient's dtype (bf16 under autocast,
@@ -163,7 +164,7 @@ class TrainConfig:
     compile: str = "auto"  # auto (on CUDA) | on | off
     compile_mode: str = "default"  # default | coordinate-descent (tune fused kernels' launch configs) |
     # pdl (generated kernels launched as programmatic dependents: each may start while the one before finishes;
-    # Hopper and later) | max-autotune-no-cudagraphs (also Triton matmuls with fused epilogues; compiles for many
+    # Hopper and later; no gain measured, benchmarks/native_seed.md) | max-autotune-no-cudagraphs (also Triton matmuls with fused epilogues; compiles for many
     # minutes)
     sdpa: str = "auto"  # attention kernel: auto | flash | cudnn | efficient | math
     activation_budget: float = 1.0  # < 1: ask the compiler to recompute activations to fit this fraction
