@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -15,6 +16,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from arms import round_ratio  # noqa: E402
 
 
 def _save(fig, path: Path) -> Path:
@@ -38,13 +42,26 @@ def plot_arms(arms_json: Path, out: Path, name: str, note: str) -> Path:
     ax1.axvline(1.10, color="#dd8452", ls=":", label="teacher gate 1.10")
     if any("cycle_s" in r for r in results):
         ax1.axvline(0.93, color="#937860", ls="-.", label="cycle gate 0.93")
-    ax1.set_xlabel("s/update relative to native (last-six medians)")
+    # Where the rounds pair the arms' updates (interleaved): each arm's ratio per round, with its interval.
+    interleaved = data["meta"].get("schedule", "interleaved") == "interleaved"
+    per_round = [None if y == 0 or "cycle_s" in r or not interleaved else round_ratio(r["rows"], results[0]["rows"])
+                 for y, r in enumerate(results)]
+    marked = False
+    for y, ratio in enumerate(per_round):
+        if ratio is not None:
+            ax1.errorbar(ratio[0], y, xerr=[[ratio[0] - ratio[1]], [ratio[2] - ratio[0]]], fmt="o", ms=3,
+                         color="black", capsize=3, label=None if marked else "per round, 95% interval")
+            marked = True
+    ax1.set_xlabel("s/update relative to native (bars: last-six medians)")
     right = 1.2
     ax1.set_xlim(0.85, right)
     ax1.legend(loc="lower right", fontsize=7)
-    for y, r in enumerate(ratios):
+    for y, (r, ratio) in enumerate(zip(ratios, per_round)):
         label = f"{r:.3f}" if r <= right else f"{r:.2f} (off scale)"
-        ax1.text(min(r, right - 0.06), y, label, va="center", fontsize=8)
+        if ratio is not None:
+            label += f" | {ratio[0]:.3f}"
+        end = max(r, ratio[2] if ratio is not None else r)
+        ax1.text(min(end + 0.004, right - 0.09), y, label, va="center", fontsize=7)
     ax2.barh(names, peaks, color="#55a868")
     ax2.axvline(23_400, color="#c44e52", ls="--", label="peak gate 23,400 MiB")
     ax2.axvline(21_301, color="#8172b2", ls=":", label="seed native 21,301 MiB")
@@ -202,6 +219,8 @@ ARMS_FIGURES = [
     ("arms_merged_gates_seed.json", "arms_merged_gates_seed.png",
      "gates in the Q/K/V products, dependent launches (neither kept)"),
     ("arms_pdl_seed.json", "arms_pdl_seed.png", "generated kernels as dependent launches (not kept)"),
+    ("arms_merged_gates_second_seed.json", "arms_merged_gates_second_seed.png",
+     "learned with the gates merged, against learned"),
     ("arms_decode_residual_seed.json", "arms_decode_residual_seed.png",
      "learned: MLP decode and residual add in the norm backward"),
     ("arms_final_tree_seed.json", "arms_final_tree_seed.png", "credit arms on the tree the admitted screen ran"),
