@@ -36,6 +36,7 @@ from creditlab import runtime as rt  # noqa: E402
 # rotation is re-exported: the order of a round is the runner's, one rule for the screen and this benchmark
 from creditlab.arms_runner import (OwnMemory, cuda_allocated, keep_compiled_side_by_side, rotation,  # noqa: E402,F401
                                    run_rounds)
+from creditlab.arms_runner import round_ratio as runner_round_ratio  # noqa: E402
 from creditlab.data import SyntheticLoader  # noqa: E402
 from creditlab.train import Trainer, build_model, row_dict  # noqa: E402
 
@@ -360,21 +361,10 @@ def paired_ms(rows: list[dict], base_rows: list[dict], window: int = 6) -> tuple
     return statistics.median(diffs), min(diffs), max(diffs)
 
 
-def round_ratio(rows: list[dict], base_rows: list[dict], skip: int = 2, resamples: int = 2000,
-                seed: int = 0) -> tuple[float, float, float, int] | None:
-    """The median over rounds after the first `skip` of the per-round ratio rows / base_rows, with a 95%
-    bootstrap interval of that median (rounds resampled with replacement, a fixed seed): what the arms' last-six
-    medians estimate, from every round that did not compile, with its uncertainty beside it. None if the arms ran
-    different rounds or fewer than three remain."""
-    if len(rows) != len(base_rows) or len(rows) - skip < 3:
-        return None
-    import random
-
-    ratios = [a["seconds"] / b["seconds"] for a, b in zip(rows[skip:], base_rows[skip:])]
-    draw = random.Random(seed)
-    medians = sorted(statistics.median(draw.choices(ratios, k=len(ratios))) for _ in range(resamples))
-    return (statistics.median(ratios), medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1],
-            len(ratios))
+def round_ratio(rows: list[dict], base_rows: list[dict]) -> tuple[float, float, float, int] | None:
+    """The arms runner's ratio per round (median over every round from the third, with its 95% interval) of two
+    arms' rows."""
+    return runner_round_ratio([r["seconds"] for r in rows], [r["seconds"] for r in base_rows])
 
 
 def markdown(results: list[dict], meta: dict) -> str:

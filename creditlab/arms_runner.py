@@ -8,6 +8,8 @@ their arms through `run_rounds`; `OwnMemory` keeps each arm's memory peak its ow
 
 from __future__ import annotations
 
+import random
+import statistics
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -114,3 +116,19 @@ class OwnMemory:
             row.peak_reserved_mib = None
         self.resident[name] = self.resident.get(name, 0) + self.allocated() - before  # e.g. optimizer state
         return row
+
+
+def round_ratio(seconds: Sequence[float], base_seconds: Sequence[float], skip: int = 2, resamples: int = 2000,
+                seed: int = 0) -> tuple[float, float, float, int] | None:
+    """(median, low, high, rounds): the median over rounds after the first `skip` of an arm's per-round ratio
+    seconds / base_seconds (update r of each arm ran in round r), with a 95% bootstrap interval of that median
+    (rounds resampled with replacement, a fixed seed). A steadier reading of a ratio than the ratio of two
+    last-window medians, with its uncertainty beside it. None if the arms ran different rounds or fewer than
+    three rounds remain."""
+    if len(seconds) != len(base_seconds) or len(seconds) - skip < 3:
+        return None
+    ratios = [a / b for a, b in zip(seconds[skip:], base_seconds[skip:])]
+    draw = random.Random(seed)
+    medians = sorted(statistics.median(draw.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return (statistics.median(ratios), medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1],
+            len(ratios))

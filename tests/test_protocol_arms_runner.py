@@ -77,3 +77,19 @@ def test_own_memory_takes_the_other_arms_resident_bytes_off_a_peak():
     plain = runner.OwnMemory(None)
     row = plain.update("a", lambda: SimpleNamespace(peak_allocated_mib=None, peak_reserved_mib=None))
     assert row.peak_allocated_mib is None
+
+
+def test_the_round_ratio_pairs_rounds_and_its_interval_holds_the_spread():
+    import pytest
+
+    base = [9.0, 9.0] + [0.30, 0.34] * 8
+    steady = [0.93 * b for b in base]  # 0.93 of the base in every round, whatever the drift
+    median, lo, hi, n = runner.round_ratio(steady, base)
+    assert n == 16 and median == pytest.approx(0.93) and lo == pytest.approx(0.93) and hi == pytest.approx(0.93)
+    noisy = [b * (0.90 if i % 2 else 0.96) for i, b in enumerate(base)]
+    median, lo, hi, _ = runner.round_ratio(noisy, base)
+    assert lo < median < hi and lo >= 0.90 and hi <= 0.96
+    assert runner.round_ratio(steady[:-1], base) is None
+    # the first two rounds (compilation) never count: a huge first update leaves the ratio where it was
+    assert runner.round_ratio([99.0] + steady[1:], base)[0] == pytest.approx(0.93)
+    assert runner.round_ratio(steady[:4], base[:4]) is None  # two rounds after the skip: too few

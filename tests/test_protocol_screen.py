@@ -150,6 +150,26 @@ def test_exploratory_screen_writes_a_complete_record(tmp_path):
     assert "Stand-in synthetic source `zero`" in report
 
 
+def test_the_ratio_per_round_is_recorded_beside_the_verdict(tmp_path):
+    """Synthetic over native seconds in the same round, from the third round on, with its interval: in the result
+    and the report, as information; the verdict's ratio stays the ratio of last-window medians."""
+    from creditlab.arms_runner import round_ratio
+
+    out = screen(cfg_for(tmp_path, "screen.updates=6", "screen.ratio_gate=100"))
+    rows = read_jsonl(out.record_dir / "rows.jsonl")
+    seconds = {a: [x["seconds"] for x in rows if x["arm"] == a] for a in scr.ARMS}
+    median, low, high, rounds = round_ratio(seconds["synthetic"], seconds["native"])
+    assert out.result["ratio_per_round"] == {"median": median, "low": low, "high": high, "rounds": rounds}
+    assert rounds == 4 and low <= median <= high
+    last = f"median_last{out.result['window']}_s"
+    assert out.result["ratio"] == pytest.approx(out.result["arms"]["synthetic"][last]
+                                                / out.result["arms"]["native"][last])
+    assert f"median {median:.4f}, 95% interval {low:.4f} .. {high:.4f}" in (out.record_dir / "report.md").read_text()
+    few = screen(cfg_for(tmp_path))  # four updates: two rounds after the first two, too few for a median
+    assert few.result["ratio_per_round"] is None
+    assert "Synthetic/native per round" not in (few.record_dir / "report.md").read_text()
+
+
 def test_timing_miss_and_cap_miss_exit_codes(tmp_path):
     out = screen(cfg_for(tmp_path, "screen.ratio_gate=0.0001"))
     assert (out.measured, out.exit_code) == ("timing_miss", 4)

@@ -46,7 +46,8 @@ from typing import Any, Callable, TextIO
 import torch
 
 from creditlab import config as config_mod
-from creditlab.arms_runner import OwnMemory, Step, cuda_allocated, keep_compiled_side_by_side, run_rounds
+from creditlab.arms_runner import (OwnMemory, Step, cuda_allocated, keep_compiled_side_by_side, round_ratio,
+                                   run_rounds)
 from creditlab.config import Config
 from creditlab.protocol import admission as adm_mod
 from creditlab.protocol.gates import EXIT_ERROR, EXIT_INVALID, ArmSummary, Gates, decide
@@ -633,7 +634,7 @@ def run_screen(cfg: Config, *, admission: adm_mod.Admission | None = None,
                               "cycle_gate": cfg.screen.cycle_gate},
               "identical_init": {"sha256": screen.init_sha256,
                                  "match": all(r.init_sha256 == screen.init_sha256 for r in screen.arms.values())},
-              "identical_inputs": inputs, "arms": arms}
+              "identical_inputs": inputs, "arms": arms, "ratio_per_round": ratio_per_round(summaries)}
     write_once(record / "result.json", result)
     from creditlab.protocol.screen_report import report_markdown
     write_once(record / "report.md", report_markdown(result, decision))
@@ -648,6 +649,17 @@ def run_screen(cfg: Config, *, admission: adm_mod.Admission | None = None,
     print(decision.sentence if final else f"Exploratory, no verdict ({exploratory}). Measured: {decision.sentence}",
           file=log, flush=True)
     return ScreenOutcome(decision.exit_code, record, result)
+
+
+def ratio_per_round(summaries: dict[str, ArmSummary]) -> dict | None:
+    """Synthetic over native seconds per update in the same round, the median over the rounds from the third with
+    its 95% bootstrap interval (arms_runner.round_ratio): beside the verdict, as information. The verdict reads the
+    ratio of last-window medians, as the protocol defines it."""
+    ratio = round_ratio(summaries["synthetic"].seconds, summaries["native"].seconds)
+    if ratio is None:
+        return None
+    median, low, high, rounds = ratio
+    return {"median": median, "low": low, "high": high, "rounds": rounds}
 
 
 def _input_check(screen: _Screen) -> dict:

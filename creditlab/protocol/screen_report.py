@@ -111,6 +111,12 @@ def report_markdown(result: dict, decision: Decision | None) -> str:
     if decision is not None:
         lines += ["", "| gate | measured | limit | outcome | note |", "|---|---|---|---|---|"]
         lines += [_gate_row(g) for g in result["gates"].values()]
+    per_round = result.get("ratio_per_round")
+    if per_round:
+        lines += ["", f"Synthetic/native per round (the two arms' updates of one round, rounds 3 to "
+                      f"{per_round['rounds'] + 2}): median {per_round['median']:.4f}, 95% interval "
+                      f"{per_round['low']:.4f} .. {per_round['high']:.4f}. Information beside the verdict, which "
+                      f"reads the ratio of last-window medians."]
     for name, arm in arms.items():
         oom = arm.get("oom")
         if oom:
