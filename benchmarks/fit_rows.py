@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from creditlab.credit.teacher import RankSpaceFit, rank_space_fit  # noqa: E402
 from creditlab.kernels import fit_rows  # noqa: E402
-from creditlab.runtime import cuda_ms, gpu_benchmark_folder, write_benchmark  # noqa: E402
+from creditlab.runtime import cuda_ms, gpu_benchmark_folder, largest_relative_error, write_benchmark  # noqa: E402
 
 
 def main() -> int:
@@ -51,8 +51,7 @@ def main() -> int:
             t, g, c, dec, 0.5, torch.float32, torch.bfloat16, fused=fused)))
         times[name] = cuda_ms(lambda: fn(true, gate, code, decoder))
         got = fn(true, gate, code, decoder)
-        errors[name] = {field: ((a.double() - b).abs().max() / b.abs().max()).item()
-                        for field, a, b in zip(RankSpaceFit._fields, got, ref)}
+        errors[name] = {field: largest_relative_error(a, b) for field, a, b in zip(RankSpaceFit._fields, got, ref)}
     # the kernel's bytes: c read once, gate and code read, gated, code_grad (float32) and gate_grad written
     moved = N * d * 2 + N * r2 * (2 + 2 + 2 + 4 + 2)
     m = decoder.t() @ decoder

@@ -16,7 +16,6 @@ Any CUDA machine.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import re
@@ -58,7 +57,7 @@ def measure_arm(name: str, preset: str, overrides: list[str]) -> dict:
     from creditlab.data import SyntheticLoader
     from creditlab.train import Trainer
 
-    cfg = copy.deepcopy(config_mod.load(preset, overrides))
+    cfg = config_mod.load(preset, overrides)
     for item in overrides_of(name):
         key, _, value = item.partition("=")
         config_mod._assign(cfg, key, value)

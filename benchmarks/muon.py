@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from creditlab import config  # noqa: E402
 from creditlab.model import GPT  # noqa: E402
 from creditlab.optim import GroupedMuon, parameter_groups  # noqa: E402
-from creditlab.runtime import cuda_ms, gpu_benchmark_folder, write_benchmark  # noqa: E402
+from creditlab.runtime import cuda_ms, gpu_benchmark_folder, largest_relative_error, write_benchmark  # noqa: E402
 
 
 def main() -> int:
@@ -55,7 +55,7 @@ def main() -> int:
             host[name].append((time.perf_counter() - start) * 1e3)
     gpu = {name: cuda_ms(opt.step, 20) for name, (_, opt) in arms.items()}
     (a, _), (b, _) = arms.values()
-    diff = max(((x - y).abs().max() / x.abs().max()).item() for x, y in zip(a, b))
+    diff = max(largest_relative_error(y, x) for x, y in zip(a, b))
     result = {"matrices": len(hidden), "shapes": sorted({tuple(p.shape) for p in hidden}),
               "host_to_gpu_end_ms": {k: statistics.median(v[2:]) for k, v in host.items()},
               "back_to_back_ms": gpu, "params_max_rel_diff_after_all_steps": diff,

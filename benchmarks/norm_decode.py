@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from creditlab.credit.predictor import norm_decode_backward  # noqa: E402
 from creditlab.kernels import norm_decode  # noqa: E402
 from creditlab.model import norm_backward, norm_with_scale  # noqa: E402
-from creditlab.runtime import cuda_ms, gpu_benchmark_folder, write_benchmark  # noqa: E402
+from creditlab.runtime import cuda_ms, gpu_benchmark_folder, largest_relative_error, write_benchmark  # noqa: E402
 
 
 def plain(residual, n, scale, code, gate, decoder):
@@ -58,7 +58,7 @@ def main() -> int:
     for name, fn in paths.items():
         times[name] = cuda_ms(lambda: fn(*inputs))
         got = fn(*inputs)
-        errors[name] = ((got.double() - ref).abs().max() / ref.abs().max()).item()
+        errors[name] = largest_relative_error(got, ref)
     kernel_ms = cuda_ms(lambda: norm_decode.norm_decode_backward(None, n, scale, code, gate, decoder, residual))
     # the kernel's bytes: n and the residual gradient read, the stream's gradient written, code and gate read
     moved = 3 * N * d * 2 + 2 * N * r2 * 2 + N * 4

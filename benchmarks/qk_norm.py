@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from creditlab.kernels import qk_norm_rotary as kernels  # noqa: E402
 from creditlab.model import Rotary, norm  # noqa: E402
 from creditlab.qk_norm import qk_norm_rotary  # noqa: E402
-from creditlab.runtime import cuda_ms, gpu_benchmark_folder, write_benchmark  # noqa: E402
+from creditlab.runtime import cuda_ms, gpu_benchmark_folder, largest_relative_error, write_benchmark  # noqa: E402
 
 
 
@@ -71,7 +71,7 @@ def main() -> int:
     ref_grad = torch.autograd.grad(ref, x, [g[:4].double() for g in grads])[0]
 
     def err(got, want):
-        return ((got[:4].double() - want).abs().max() / want.abs().max()).item()
+        return largest_relative_error(got[:4], want)
 
     errors = {name: {"q": err(o[0], ref[0]), "k": err(o[1], ref[1]), "dqkv": err(o[2], ref_grad)}
               for name, o in outputs.items()}

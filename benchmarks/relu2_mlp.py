@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from creditlab import relu2  # noqa: E402
 from creditlab.kernels import relu2_matmul as rm  # noqa: E402
-from creditlab.runtime import cuda_ms, gpu_benchmark_folder, write_benchmark  # noqa: E402
+from creditlab.runtime import cuda_ms, gpu_benchmark_folder, largest_relative_error, write_benchmark  # noqa: E402
 
 # The 128 x 256 x 64 tile with the epilogue in two halves is the only one whose derivative epilogue fits the
 # shared memory at three stages (results/relu2_mlp_configs_seed.md has the others).
@@ -27,10 +27,6 @@ CONFIGS = [rm.TileConfig(),
            rm.TileConfig(group_m=16),
            rm.TileConfig(block_n=128, stages=4, warps=4, subtiles=1)]
 
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.double() - ref).abs().max() / ref.abs().max()).item()
 
 
 def main() -> int:
@@ -88,10 +84,10 @@ def main() -> int:
     post64 = torch.relu(h64) ** 2
     dh64 = (dy[s].double() @ w_proj.double()) * 2 * torch.relu(h64)
     errors = {
-        "expand_plain": rel_err(plain_forward(x[s], w_fc), post64),
-        "expand_kernel": rel_err(rm.relu2_linear(x[s], w_fc), post64),
-        "dgrad_plain": rel_err(plain_dgrad(dy[s], w_proj, h[s]), dh64),
-        "dgrad_kernel": rel_err(rm.relu2_dgrad(dy[s], w_proj, post[s]), dh64),
+        "expand_plain": largest_relative_error(plain_forward(x[s], w_fc), post64),
+        "expand_kernel": largest_relative_error(rm.relu2_linear(x[s], w_fc), post64),
+        "dgrad_plain": largest_relative_error(plain_dgrad(dy[s], w_proj, h[s]), dh64),
+        "dgrad_kernel": largest_relative_error(rm.relu2_dgrad(dy[s], w_proj, post[s]), dh64),
     }
 
     # The whole MLP, forward and backward, under bf16 autocast, with the expansion's input gradient (native).

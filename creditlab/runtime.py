@@ -165,6 +165,13 @@ def write_benchmark(folder: Path, stem: str, result: dict, lines: list[str]) -> 
     print(text, flush=True)
 
 
+def largest_relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest entry of |got - want| over the largest entry of |want|, in float64: how benchmarks report a
+    kernel's error against a reference (NaN anywhere gives NaN)."""
+    want = want.double()
+    return ((got.double() - want).abs().max() / want.abs().max()).item()
+
+
 def cuda_ms(fn, repeats: int = 30, warmup: int = 3) -> float:
     """Mean milliseconds of fn() on the current CUDA device, timed by events around `repeats` calls after
     `warmup` untimed ones."""

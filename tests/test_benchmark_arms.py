@@ -121,3 +121,13 @@ def test_the_tables_ratio_per_round_is_the_runners_of_the_rows_seconds():
     base = [{"seconds": s} for s in [9.0, 9.0] + [0.30, 0.34] * 4]
     arm = [{"seconds": b["seconds"] * (0.90 if i % 2 else 0.96)} for i, b in enumerate(base)]
     assert arms.round_ratio(arm, base) == round_ratio([r["seconds"] for r in arm], [r["seconds"] for r in base])
+
+def test_the_benchmarks_error_is_relative_to_the_references_largest_entry():
+    import torch
+
+    from creditlab.runtime import largest_relative_error
+
+    want = torch.tensor([4.0, -2.0, 1.0], dtype=torch.float64)
+    assert largest_relative_error(torch.tensor([4.0, -2.5, 1.0], dtype=torch.bfloat16), want) == 0.125
+    assert largest_relative_error(want, want) == 0.0
+    assert largest_relative_error(torch.tensor([float("nan"), -2.0, 1.0]), want) != 0.0  # NaN never passes a bound
