@@ -185,6 +185,29 @@ def plot_screens(records: Path, out: Path) -> Path:
     return _save(fig, out / "screen_seed.png")
 
 
+def plot_kernel_bandwidth(bandwidth_json: Path, out: Path, name: str, top: int = 10) -> Path:
+    """Per arm, the generated kernels furthest over the streaming rate: their time in the step against the time
+    their bytes need at that rate (kernel_bandwidth.py)."""
+    data = json.loads(bandwidth_json.read_text())
+    arms = data["arms"]
+    rate = data["streaming_gbps"] / 1e3
+    fig, axes = plt.subplots(1, len(arms), figsize=(5.2 * len(arms), 4.2))
+    for ax, arm in zip(axes, arms):
+        sized = [k for k in arm["kernels"] if k["gb_per_call"] is not None][:top][::-1]
+        labels = [k["kernel"].removeprefix("triton_")[:34] for k in sized]
+        ax.barh(labels, [k["ms"] for k in sized], color="#4c72b0", label="in the step")
+        ax.barh(labels, [k["ms_at_streaming_rate"] for k in sized], color="#55a868", height=0.4,
+                label=f"its bytes at {rate:.1f} TB/s")
+        ax.set_title(f"{arm['arm']}: {arm['ms_per_update']:.1f} ms of generated kernels, "
+                     f"{arm['over_streaming_ms']:+.1f} ms over the rate", fontsize=8)
+        ax.set_xlabel("ms per update")
+        ax.tick_params(axis="y", labelsize=6)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"Generated kernels of one update, {data['preset']} preset: the {top} furthest over the "
+                 "streaming rate", fontsize=10)
+    return _save(fig, out / name)
+
+
 # (results file, figure, title): the arms' medians; a title of None draws the per-update rows of the file instead.
 ARMS_FIGURES = [
     ("arms_credit_seed.json", "arms_seed.png", "before pointwise recomputation; eager teacher"),
@@ -289,6 +312,7 @@ def main() -> None:
     print(plot_ddp(results / "ddp_seed.json", out, "ddp_seed.png",
                    {"ddp_learned": results / "ddp_seed_learned.log"}))
     print(plot_screens(HERE / "screen_records", out))
+    print(plot_kernel_bandwidth(results / "kernel_bandwidth_seed.json", out, "kernel_bandwidth_seed.png"))
     print(plot_kernel_classes({"native, before the fused modules": results / "profile_native_busy_seed.txt",
                                "native now": results / "profile_native_final_busy_seed.txt",
                                "zero now": results / "profile_zero_final_busy_seed.txt",
