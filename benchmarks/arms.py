@@ -91,6 +91,7 @@ MODIFIERS = {
     "pdl": ["train.compile_mode=pdl"],  # generated kernels launched as programmatic dependents
     "grouped_muon": ["train.muon=grouped"],  # Muon's matrices of one shape orthogonalized together
     "torch_muon": ["train.muon=torch"],  # torch.optim.Muon, one matrix after another
+    "fp8_head": ["model.head=fp8"],  # the head's three products on FP8 tensor cores (loss.py)
     "chunk4k": ["train.loss_chunk=4096"],
     "chunk16k": ["train.loss_chunk=16384"],
     "budget07": ["train.activation_budget=0.7"],

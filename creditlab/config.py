@@ -44,6 +44,10 @@ class ModelConfig:
     # (model.norm_backward); plain: as autograd records them, keeping their input too (records from before read
     # plain)
     norm: str = "keep_output"
+    # plain: the head's products in the autocast dtype; fp8: on FP8 tensor cores (loss.py), h and W in e4m3 and
+    # the logits' gradient in e5m2, one scale each; a precision choice, not exact arithmetic, whose learning is
+    # measured apart (benchmarks/native_seed.md). Evaluation keeps the plain precision either way.
+    head: str = "plain"
 
     @property
     def recompute_parts(self) -> frozenset[str]:
@@ -114,7 +118,8 @@ class CreditConfig:
 RECOMPUTE_PARTS = ("norm", "qk", "mlp")
 MLPS = ("fused", "plain")  # also the choices of model.qk, credit.decode and credit.fit_rows
 NORMS = ("plain", "keep_output")
-MODEL_CHOICES = {"mlp": MLPS, "qk": MLPS, "norm": NORMS}
+HEADS = ("plain", "fp8")
+MODEL_CHOICES = {"mlp": MLPS, "qk": MLPS, "norm": NORMS, "head": HEADS}
 # (key, value, recompute part, what it keeps): with model.<key>=<value> that part has nothing to recompute
 LEAN_MODULES = (("mlp", "fused", "mlp", "the fused MLP keeps only ReLU^2's output"),
                 ("qk", "fused", "qk", "the fused QK-norm keeps only what attention keeps"),
@@ -359,6 +364,11 @@ def validate(cfg: Config) -> None:
     for key, choices in MODEL_CHOICES.items():
         if getattr(m, key) not in choices:
             problems.append(f"model.{key} must be one of {'|'.join(choices)}, got {getattr(m, key)!r}")
+    if m.head == "fp8":  # FP8 tensor-core products take sizes in multiples of 16
+        sizes = {"model.width": m.width, "the padded vocabulary (model.vocab_pad_multiple)": m.padded_vocab,
+                 "model.seq_len": m.seq_len, "train.loss_chunk": cfg.train.loss_chunk}
+        problems += [f"model.head=fp8 needs {name} to be a multiple of 16, got {size}"
+                     for name, size in sizes.items() if size % 16]
     if cfg.data.source not in ("synthetic", "shards"):
         problems.append(f"data.source must be synthetic|shards, got {cfg.data.source!r} (shards are read from "
                         f"data.dir; prepare them with `creditlab data prepare`)")

@@ -5,6 +5,13 @@ the targets in chunks, and for each chunk computes logits, the loss and the loss
 hidden state and the head weight, then drops the logits. The backward pass only scales the stored gradients.
 This is the usual fused linear cross-entropy; the arithmetic is the exact gradient, so it is checked against
 autograd in float64.
+
+With `model.head=fp8` the three products of a chunk run on FP8 tensor cores with float32 accumulation
+(`torch._scaled_mm`), as modded-nanogpt runs its head: h and W in e4m3 with one scale each, from their largest
+magnitude, and the logits' gradient in e5m2 with a fixed scale, since that gradient is bounded (below). This is a
+precision choice, not exact arithmetic: its tests check that it computes the products of the quantized operands
+and how far those are from float64, and whether a model trained with it learns as well is a `compare` run's
+question (benchmarks/native_seed.md). Evaluation (`head_loss_sum`) keeps the plain precision.
 """
 
 from __future__ import annotations
@@ -14,10 +21,18 @@ import torch
 from creditlab import kernels
 
 
-def softcap_ce_rows(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, cap: float, scale: float):
+HEAD_INPUT_FP8, HEAD_GRAD_FP8 = torch.float8_e4m3fn, torch.float8_e5m2
+# Each row's d loss / d logit = (softmax - onehot) * (1 - tanh^2) lies in [-1, 1]: times 2^15 it stays under
+# e5m2's largest value (57,344), and entries down to 2^-31 (e5m2's smallest, 2^-16, over 2^15) survive.
+HEAD_GRAD_SCALE = 2.0 ** 15
+
+
+def softcap_ce_rows(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, cap: float, scale: float,
+                    grad_dtype: torch.dtype | None = None):
     """Per-row loss of CE(cap * tanh(logits / cap)) over the first vocab_size columns, and the gradient of
-    scale * sum(loss) with respect to logits (in logits' dtype; zero on the padding columns). The torch
-    arithmetic: the reference for the Triton kernel (kernels.softcap_ce_rows) and the CPU path."""
+    scale * sum(loss) with respect to logits (in grad_dtype, logits' dtype by default; zero on the padding
+    columns). The torch arithmetic: the reference for the Triton kernel (kernels.softcap_ce_rows) and the CPU
+    path."""
     acc = torch.promote_types(logits.dtype, torch.float32)  # float32 or better for the softmax
     t = torch.tanh(logits.to(acc) / cap)
     z = cap * t
@@ -26,22 +41,58 @@ def softcap_ce_rows(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int
     lse = torch.logsumexp(z, dim=-1)  # (n,)
     rows = lse - z.gather(1, targets[:, None])[:, 0]
     dz = torch.exp(z - lse[:, None]) - (columns == targets[:, None]).to(z.dtype)  # softmax - onehot
-    return rows, (dz * (1.0 - t * t) * scale).to(logits.dtype)  # d(cap*tanh(l/cap))/dl = 1 - tanh^2
+    # d(cap*tanh(l/cap))/dl = 1 - tanh^2
+    return rows, (dz * (1.0 - t * t) * scale).to(grad_dtype or logits.dtype)
+
+
+def _rows_fn(h: torch.Tensor):
+    # On CUDA the pointwise work is one Triton kernel (kernels/softcap_ce.py); elsewhere the torch arithmetic.
+    return kernels.softcap_ce_rows if kernels.available(h) else softcap_ce_rows
 
 
 def _chunk_loss_and_grads(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
                           cap: float, scale: float):
     """Sum of the chunk's losses, and d(scale * sum)/dh, d(scale * sum)/dW. h: (n, d); weight: (Vp, d)."""
-    # On CUDA the pointwise work is one Triton kernel (kernels/softcap_ce.py); elsewhere the torch arithmetic.
-    rows_fn = kernels.softcap_ce_rows if kernels.available(h) else softcap_ce_rows
-    loss_rows, dlogits = rows_fn(h @ weight.t(), targets, vocab_size, cap, scale)
+    loss_rows, dlogits = _rows_fn(h)(h @ weight.t(), targets, vocab_size, cap, scale)
     return loss_rows.sum(), dlogits @ weight, dlogits.t() @ h
+
+
+def fp8_quantize(x: torch.Tensor, dtype: torch.dtype = HEAD_INPUT_FP8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, s): x / s rounded to dtype, with one float32 scale s = max |x| / dtype's largest value (a tensor on x's
+    device, so no host sync), so that q * s ~ x. An all-zero x (the zero-initialized head) gets a tiny s."""
+    amax = x.abs().amax().float().clamp_min(torch.finfo(torch.float32).tiny)
+    scale = amax / torch.finfo(dtype).max
+    return (x.float() / scale).to(dtype), scale
+
+
+class Fp8Head:
+    """A micro-batch's operands of the FP8 head, quantized once: h (N, d) and W (Vp, d) in e4m3, each also
+    transposed, because FP8 tensor-core products take both operands with the summed index contiguous."""
+
+    def __init__(self, h: torch.Tensor, weight: torch.Tensor):
+        self.out_dtype = h.dtype
+        self.h8, self.h_scale = fp8_quantize(h)
+        self.h8_t = self.h8.t().contiguous()  # (d, N): its column blocks are the chunks' rows, summed over in dW
+        self.w8, self.w_scale = fp8_quantize(weight)
+        self.w8_t = self.w8.t().contiguous()  # (d, Vp): W with the vocabulary contiguous, summed over in dh
+
+    def chunk(self, start: int, stop: int, targets: torch.Tensor, vocab_size: int, cap: float, scale: float):
+        """_chunk_loss_and_grads of rows start:stop, through FP8 products with float32 accumulation."""
+        h8 = self.h8[start:stop]
+        logits = torch._scaled_mm(h8, self.w8.t(), scale_a=self.h_scale, scale_b=self.w_scale,
+                                  out_dtype=self.out_dtype)
+        loss_rows, g8 = _rows_fn(h8)(logits, targets, vocab_size, cap, HEAD_GRAD_SCALE, grad_dtype=HEAD_GRAD_FP8)
+        g_scale = torch.full((), scale / HEAD_GRAD_SCALE, dtype=torch.float32, device=h8.device)
+        gh = torch._scaled_mm(g8, self.w8_t.t(), scale_a=g_scale, scale_b=self.w_scale, out_dtype=self.out_dtype)
+        gw = torch._scaled_mm(kernels.transpose(g8), self.h8_t[:, start:stop].t(), scale_a=g_scale,
+                              scale_b=self.h_scale, out_dtype=torch.float32)
+        return loss_rows.sum(), gh, gw
 
 
 @torch.library.custom_op("creditlab::fused_head_loss", mutates_args=())
 def fused_head_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int, cap: float,
-                    chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mean loss, d loss/dh, d loss/dW) over all targets, chunk by chunk.
+                    chunk: int, fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean loss, d loss/dh, d loss/dW) over all targets, chunk by chunk; fp8: the products in FP8 (Fp8Head).
 
     One operator the compiler cannot look into, on purpose: traced op by op, the products with the logits'
     gradient are needed only by the backward, so the compiler moved them there and kept every chunk's
@@ -49,14 +100,18 @@ def fused_head_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
     kept, and only one chunk's logits are alive at a time."""
     n_targets = h.shape[0]
     w = weight.to(h.dtype)
+    head = Fp8Head(h, weight) if fp8 else None  # W quantized from its own dtype, not a bf16 copy
     grad_h = torch.empty_like(h)
     acc = torch.promote_types(h.dtype, torch.float32)
     grad_w = torch.zeros(weight.shape, dtype=acc, device=h.device)
     total = torch.zeros((), dtype=acc, device=h.device)
     for start in range(0, n_targets, chunk):
         stop = min(start + chunk, n_targets)
-        loss_sum, gh, gw = _chunk_loss_and_grads(h[start:stop], w, targets[start:stop], vocab_size, cap,
-                                                 1.0 / n_targets)
+        if head is not None:
+            loss_sum, gh, gw = head.chunk(start, stop, targets[start:stop], vocab_size, cap, 1.0 / n_targets)
+        else:
+            loss_sum, gh, gw = _chunk_loss_and_grads(h[start:stop], w, targets[start:stop], vocab_size, cap,
+                                                     1.0 / n_targets)
         total += loss_sum
         grad_h[start:stop] = gh
         grad_w += gw.to(acc)
@@ -64,7 +119,7 @@ def fused_head_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
 
 
 @fused_head_loss.register_fake
-def _(h, weight, targets, vocab_size, cap, chunk):
+def _(h, weight, targets, vocab_size, cap, chunk, fp8=False):
     acc = torch.promote_types(h.dtype, torch.float32)
     return h.new_empty((), dtype=acc), torch.empty_like(h), weight.new_empty(weight.shape, dtype=acc)
 
@@ -73,21 +128,22 @@ class FusedHeadLoss(torch.autograd.Function):
     """mean over targets of CE(cap * tanh(h W^T / cap)); gradients computed chunk by chunk in the forward."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, vocab_size: int, cap: float, chunk: int):
-        loss, grad_h, grad_w = fused_head_loss(h, weight, targets, vocab_size, cap, chunk)
+    def forward(ctx, h, weight, targets, vocab_size: int, cap: float, chunk: int, fp8: bool = False):
+        loss, grad_h, grad_w = fused_head_loss(h, weight, targets, vocab_size, cap, chunk, fp8)
         ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
         return loss
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_out.to(grad_h.dtype), grad_w * grad_out.to(grad_w.dtype), None, None, None, None
+        return grad_h * grad_out.to(grad_h.dtype), grad_w * grad_out.to(grad_w.dtype), None, None, None, None, None
 
 
 def head_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int, cap: float,
-              chunk: int) -> torch.Tensor:
-    """Mean soft-capped cross-entropy of h: (N, d) against targets: (N,) through the (padded) head weight."""
-    return FusedHeadLoss.apply(h, weight, targets, vocab_size, cap, chunk)
+              chunk: int, fp8: bool = False) -> torch.Tensor:
+    """Mean soft-capped cross-entropy of h: (N, d) against targets: (N,) through the (padded) head weight;
+    fp8: its products in FP8 (Fp8Head)."""
+    return FusedHeadLoss.apply(h, weight, targets, vocab_size, cap, chunk, fp8)
 
 
 @torch.no_grad()

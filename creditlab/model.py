@@ -267,7 +267,7 @@ class GPT(nn.Module):
         """Mean next-token loss of idx: (B, T) against targets: (B, T)."""
         h = norm(self.hidden(idx, credit)).flatten(0, 1)
         loss = head_loss(h, self.head.weight, targets.flatten(), self.cfg.vocab_size, self.cfg.logit_cap,
-                         loss_chunk)
+                         loss_chunk, fp8=self.cfg.head == "fp8")
         return credit.finish(loss)
 
     def loss_sum(self, idx: torch.Tensor, targets: torch.Tensor, loss_chunk: int = 8_192) -> torch.Tensor:

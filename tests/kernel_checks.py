@@ -362,8 +362,24 @@ def fit_rows_opcheck():
         fit_rows.DEFAULT_TILES = tiles
 
 
+def transpose_checks(rows, cols, seed=0):
+    """The tiled transpose of a one-byte matrix into a poisoned output: exact, against torch's, and against the
+    untransposed matrix read as (cols, rows) (what a kernel that copied without transposing would give)."""
+    from creditlab.kernels import tiled_transpose
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 255, (rows, cols), dtype=torch.uint8, generator=g).view(torch.float8_e5m2)
+    out = torch.full((cols, rows), 0x7F, dtype=torch.uint8).view(torch.float8_e5m2)  # 0x7F: e5m2 NaN
+    got = tiled_transpose.transpose(x, out=out).view(torch.uint8)
+    return {"exact": torch.equal(got, x.t().contiguous().view(torch.uint8)),
+            "equals_untransposed": torch.equal(got, x.view(torch.uint8).reshape(cols, rows)),
+            "dtype": str(out.dtype)}
+
+
 if __name__ == "__main__":
     report = {
+        "transpose_partial": transpose_checks(70, 130),
+        "transpose_one_tile": transpose_checks(16, 48, seed=1),
         "fit_rows": fit_rows_errors(70, 64, 16),
         "fit_rows_one_program": fit_rows_errors(20, 32, 32, seed=1),
         "fit_rows_wrong_derivative": fit_rows_errors(70, 64, 16, wrong_gate_derivative=True),

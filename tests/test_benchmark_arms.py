@@ -75,7 +75,7 @@ def test_paired_differences_are_taken_round_by_round():
     assert arms.paired_ms(arm[:-1], base) is None  # not the same rounds
 
 
-@pytest.mark.parametrize("script", ["arms", "softcap_ce", "qk_norm", "relu2_mlp", "fit_rows"])
+@pytest.mark.parametrize("script", ["arms", "softcap_ce", "qk_norm", "relu2_mlp", "fit_rows", "fp8_head"])
 def test_gpu_benchmarks_refuse_a_machine_without_cuda(script, tmp_path, monkeypatch, capsys):
     """Exit 2 with one line, and no output folder made, where no CUDA GPU is visible."""
     import sys
@@ -131,3 +131,20 @@ def test_the_benchmarks_error_is_relative_to_the_references_largest_entry():
     assert largest_relative_error(torch.tensor([4.0, -2.5, 1.0], dtype=torch.bfloat16), want) == 0.125
     assert largest_relative_error(want, want) == 0.0
     assert largest_relative_error(torch.tensor([float("nan"), -2.0, 1.0]), want) != 0.0  # NaN never passes a bound
+
+
+def test_the_fp8_benchmarks_references_agree_with_the_head_they_judge():
+    """fp8_head.py's float64 references, on the CPU: its quantized-operand reference is what the FP8 head computes,
+    its exact one what the plain head computes, and the two references differ (each comparison can fail)."""
+    import torch
+
+    from creditlab.loss import fused_head_loss
+
+    bench = load("fp8_head")
+    g = torch.Generator().manual_seed(0)
+    h = torch.nn.functional.rms_norm(torch.randn(96, 32, generator=g), (32,))
+    w, t = torch.randn(112, 32, generator=g) * 0.3, torch.randint(0, 100, (96,), generator=g)
+    exact, quantized = bench.reference(h, w, t, 100, 32), bench.quantized_reference(h, w, t, 100, 32)
+    assert max(bench.errors(fused_head_loss(h, w, t, 100, bench.CAP, 32, True), quantized).values()) < 1e-4
+    assert max(bench.errors(fused_head_loss(h, w, t, 100, bench.CAP, 32, False), exact).values()) < 1e-5
+    assert bench.errors(fused_head_loss(h, w, t, 100, bench.CAP, 32, False), quantized)["grad_h"] > 1e-2

@@ -139,6 +139,9 @@ def test_bad_values_raise_a_clear_error(override, words):
     (["credit.teacher_every=-1"], "teacher_every"),
     (["credit.fit_rows=triton"], "credit.fit_rows"),
     (["credit.decode=inside"], "credit.decode"),
+    (["model.head=fp16"], "model.head"),
+    (["model.head=fp8", "train.loss_chunk=100"], "train.loss_chunk to be a multiple of 16"),
+    (["model.head=fp8", "model.vocab_pad_multiple=1", "model.vocab_size=101"], "padded vocabulary"),
 ])
 def test_invalid_combinations_are_rejected(overrides, fragment):
     with pytest.raises(ConfigError, match="invalid config") as exc:
@@ -157,6 +160,7 @@ def test_boundary_combinations_are_accepted():
     cfg = config.load("tiny", ["model.layers=4", "model.value_embeds=2", "model.gate_dim=64", "model.width=64"])
     assert cfg.model.value_embeds * 2 == cfg.model.layers and cfg.model.gate_dim == cfg.model.width
     config.load("tiny", ["model.value_embeds=0", "model.layers=1"])  # no tables needs no layers
+    config.load("seed", ["model.head=fp8"])  # the seed shape's sizes are all multiples of 16
 
 
 def test_zero_vocab_pad_multiple_is_a_config_error():

@@ -55,6 +55,13 @@ def test_the_compiled_model_keeps_no_chunk_of_logits_for_the_backward(report):
     assert report["logits_kept_op_by_op"] == 2, report
 
 
+@pytest.mark.parametrize("case", ["transpose_partial", "transpose_one_tile"])
+def test_the_tiled_transpose_is_exact_and_writes_every_element(report, case):
+    r = report[case]
+    assert r["exact"] and r["dtype"] == "torch.float8_e5m2", r
+    assert not r["equals_untransposed"], r  # a copy that did not transpose fails the same comparison
+
+
 @pytest.mark.parametrize("case", ["relu2_even", "relu2_partial", "relu2_one_subtile"])
 def test_relu2_matmul_kernels_match_float64_and_write_every_element(report, case):
     r = report[case]
@@ -133,7 +140,7 @@ def test_the_fit_rows_operator_declares_its_shapes_truthfully(report):
 def _hopper_cases():
     """(kernel, its arguments' types in order, constants, warps) at the seed shape, for the kernels that take plain
     pointers (the fused MLP's takes TMA descriptors, made on a GPU)."""
-    from creditlab.kernels import fit_rows, norm_decode, qk_norm_rotary as qk, softcap_ce
+    from creditlab.kernels import fit_rows, norm_decode, qk_norm_rotary as qk, softcap_ce, tiled_transpose
 
     tiles = fit_rows.DEFAULT_TILES
     return {
@@ -147,6 +154,13 @@ def _hopper_cases():
         "softcap_ce": (softcap_ce._softcap_ce_rows, ["*bf16", "*bf16", "*i64", "*fp32", "i32", "fp32", "fp32"],
                        {"vocab": 12289, "padded": 12352, "BLOCK": softcap_ce.DEFAULT_BLOCK, "FAST": True,
                         "STAGES": softcap_ce.DEFAULT_STAGES}, softcap_ce.DEFAULT_WARPS),
+        # the FP8 head's: the gradient written in e5m2 (the interpreter's FP8 rounding differs from the GPU's, so
+        # only the compile is checked here; the values are checked on the GPU, benchmarks/fp8_head.py)
+        "softcap_ce_fp8": (softcap_ce._softcap_ce_rows, ["*bf16", "*fp8e5", "*i64", "*fp32", "i32", "fp32", "fp32"],
+                           {"vocab": 12289, "padded": 12352, "BLOCK": softcap_ce.DEFAULT_BLOCK, "FAST": True,
+                            "STAGES": softcap_ce.DEFAULT_STAGES}, softcap_ce.DEFAULT_WARPS),
+        "transpose": (tiled_transpose._transpose, ["*u8", "*u8", "i32", "i32"], {"BLOCK": tiled_transpose.BLOCK},
+                      tiled_transpose.WARPS),
         "norm_decode": (norm_decode._norm_decode_backward, ["*bf16", "*bf16", "*bf16", "*fp32", "*bf16", "*bf16", "*bf16",
                                                             "*bf16", "i32"],
                         {"D": 512, "R2": 64, "ROWS": norm_decode.ROWS, "HAS_DN": False, "HAS_RESIDUAL": True},
@@ -155,7 +169,8 @@ def _hopper_cases():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["fit_rows", "qk_forward", "qk_backward", "softcap_ce", "norm_decode"])
+@pytest.mark.parametrize("name", ["fit_rows", "qk_forward", "qk_backward", "softcap_ce", "softcap_ce_fp8", "transpose",
+                                  "norm_decode"])
 def test_each_kernel_compiles_for_hopper(name):
     """Through Triton's whole compiler to a cubin for sm_90 at the seed shape's constants, on the CPU: what the
     interpreter lets pass (a global that is not a constexpr, a shape past the shared memory) fails here."""

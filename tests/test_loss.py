@@ -105,3 +105,66 @@ def test_fused_matches_reference_for_any_shape(n, d, vocab, pad, chunk, cap, sca
     for got, want in ((fused.detach(), ref.detach()), (fh, rh), (fw, rw)):
         assert (got - want).norm().item() <= 1e-12 * want.norm().item() + 1e-15
     assert torch.count_nonzero(fw[vocab:]) == 0
+
+
+# ---- the FP8 head (model.head=fp8) ---------------------------------------------------------------------------
+
+def fp8_expected(h, w, t, vocab, cap):
+    """What the FP8 head computes, in float64: the loss and gradients of the quantized operands, with the logits'
+    gradient rounded to e5m2 at its fixed scale, as the products receive it."""
+    from creditlab.loss import HEAD_GRAD_FP8, HEAD_GRAD_SCALE, fp8_quantize, softcap_ce_rows
+    (h8, sh), (w8, sw) = fp8_quantize(h), fp8_quantize(w)
+    hq, wq = h8.double() * sh.double(), w8.double() * sw.double()
+    rows, g = softcap_ce_rows(hq @ wq.t(), t, vocab, cap, HEAD_GRAD_SCALE)
+    gq = g.to(HEAD_GRAD_FP8).double() / (HEAD_GRAD_SCALE * h.shape[0])
+    return rows.mean(), gq @ wq, gq.t() @ hq
+
+
+def fp8_problem(seed, weight_scale=0.3):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.nn.functional.rms_norm(torch.randn(64, 32, generator=g), (32,))  # the head reads norm(x)
+    w = torch.randn(112, 32, generator=g) * weight_scale
+    return h, w, torch.randint(0, 100, (64,), generator=g)
+
+
+@pytest.mark.parametrize("chunk", [16, 48, 64])
+def test_fp8_head_computes_the_products_of_its_quantized_operands(chunk):
+    h, w, t = fp8_problem(seed=chunk)
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = head_loss(hh, ww, t, 100, 15.0, chunk, fp8=True)
+    gh, gw = torch.autograd.grad(loss, [hh, ww])
+    e_loss, e_gh, e_gw = fp8_expected(h, w, t, 100, 15.0)
+    assert loss.item() == pytest.approx(e_loss.item(), rel=1e-6)
+    assert rel_err(gh.double(), e_gh) <= 1e-4 and rel_err(gw.double(), e_gw) <= 1e-4
+    # The plain head's gradients are not these (the check can fail): the quantization is really there.
+    ph, pw = torch.autograd.grad(head_loss(hh, ww, t, 100, 15.0, chunk), [hh, ww])
+    assert rel_err(ph.double(), e_gh) > 1e-2 and rel_err(pw.double(), e_gw) > 1e-2
+
+
+def test_fp8_head_is_near_the_exact_head_and_further_than_float32():
+    h, w, t = fp8_problem(seed=3)
+    hd, wd = h.double().requires_grad_(), w.double().requires_grad_()
+    ref = reference_head_loss(hd, wd, t, 100, 15.0)
+    rh, rw = torch.autograd.grad(ref, [hd, wd])
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = head_loss(hh, ww, t, 100, 15.0, 32, fp8=True)
+    gh, gw = torch.autograd.grad(loss, [hh, ww])
+    assert loss.item() == pytest.approx(ref.item(), rel=2e-3)
+    assert 1e-3 < rel_err(gh.double(), rh) < 0.1 and 1e-3 < rel_err(gw.double(), rw) < 0.1
+
+
+def test_fp8_head_with_the_zero_initialized_weight_is_finite():
+    h, w, t = fp8_problem(seed=4, weight_scale=0.0)
+    ww = w.clone().requires_grad_()
+    loss = head_loss(h, ww, t, 100, 15.0, 32, fp8=True)
+    gw, = torch.autograd.grad(loss, [ww])
+    assert loss.item() == pytest.approx(torch.log(torch.tensor(100.0)).item(), rel=1e-6)  # uniform over 100
+    assert torch.isfinite(gw).all() and gw[:100].abs().sum() > 0 and torch.count_nonzero(gw[100:]) == 0
+
+
+def test_fp8_quantize_uses_the_whole_range_and_never_overflows():
+    from creditlab.loss import HEAD_INPUT_FP8, fp8_quantize
+    x = torch.randn(300, 17) * 1e-3
+    q, s = fp8_quantize(x)
+    assert q.dtype == HEAD_INPUT_FP8 and q.float().abs().max().item() == torch.finfo(HEAD_INPUT_FP8).max
+    assert rel_err(q.float() * s, x) < 0.05 and torch.isfinite(q.float()).all()

@@ -295,3 +295,22 @@ def test_the_fused_modules_operators_declare_their_outputs_truthfully():
     for op, args in cases:
         result = torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
         assert all(v == "SUCCESS" for v in result.values()), (op, result)
+
+
+def test_the_fp8_head_trains_the_same_model_through_quantized_products():
+    """model.head=fp8 changes only the head's products: the loss to FP8 precision, every parameter's gradient
+    near the plain head's and not equal to it; evaluation (loss_sum) is the plain head's."""
+    plain_cfg, fp8_cfg = small_cfg("model.vocab_pad_multiple=16"), small_cfg("model.vocab_pad_multiple=16",
+                                                                               "model.head=fp8")
+    plain, fp8 = randomize(GPT(plain_cfg)), randomize(GPT(fp8_cfg))
+    idx, tgt = tokens(plain_cfg, batch=2, seed=6)
+    losses, grads = [], []
+    for model in (plain, fp8):
+        loss = model(idx, tgt, loss_chunk=16)
+        losses.append(loss.item())
+        grads.append(torch.cat([g.flatten() for g in torch.autograd.grad(loss, list(model.parameters()))]))
+    assert losses[1] == pytest.approx(losses[0], rel=2e-2) and losses[1] != losses[0]
+    relative = ((grads[1] - grads[0]).norm() / grads[0].norm()).item()
+    assert 1e-4 < relative < 0.1, relative
+    with torch.no_grad():
+        assert fp8.loss_sum(idx, tgt).item() == plain.loss_sum(idx, tgt).item()

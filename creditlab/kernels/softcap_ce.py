@@ -58,8 +58,9 @@ if triton is not None:
 
 def softcap_ce_rows(logits: torch.Tensor, targets: torch.Tensor, vocab: int, cap: float, scale: float,
                     block: int | None = None, num_warps: int | None = None, fast: bool | None = None,
-                    stages: int | None = None):
-    """Per-row loss (float32) and the gradient of scale * sum(loss) with respect to logits (logits' dtype).
+                    stages: int | None = None, grad_dtype: torch.dtype | None = None):
+    """Per-row loss (float32) and the gradient of scale * sum(loss) with respect to logits (in grad_dtype,
+    logits' dtype by default; an FP8 dtype for the FP8 head, `loss.py`).
 
     logits: (n, padded) with columns >= vocab being padding; targets: (n,) int64 in [0, vocab). `block`
     (columns per step, a power of two) and `num_warps` default to the fastest measured at the seed shape
@@ -71,7 +72,7 @@ def softcap_ce_rows(logits: torch.Tensor, targets: torch.Tensor, vocab: int, cap
         raise ValueError(f"logits must be a row-major (n, padded) matrix, got shape {tuple(logits.shape)} "
                          f"with strides {logits.stride()}")
     n, padded = logits.shape
-    grad = torch.empty_like(logits)
+    grad = torch.empty_like(logits, dtype=grad_dtype or logits.dtype)
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
     block = block or min(triton.next_power_of_2(padded), DEFAULT_BLOCK)
     _softcap_ce_rows[(n,)](logits, grad, targets, loss, logits.stride(0), float(cap), float(scale),

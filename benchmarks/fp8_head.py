@@ -1,0 +1,163 @@
+"""One micro-batch of the head loss on the GPU at the seed shape: its three products in bf16 (the default) and
+on FP8 tensor cores (`model.head=fp8`), in time and in error against float64; and the FP8 path's parts.
+
+    python benchmarks/fp8_head.py --out DIR [--tokens 131072] [--width 512] [--vocab 12289] [--chunk 8192]
+
+Writes DIR/fp8_head.json and DIR/fp8_head.md. Any CUDA machine whose GPU has FP8 tensor cores (sm_89 or later).
+The two paths are timed alternately, ten rounds of five calls each, and each round's ratio is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from creditlab import kernels  # noqa: E402
+from creditlab.kernels import tiled_transpose  # noqa: E402
+from creditlab.loss import (HEAD_GRAD_FP8, HEAD_GRAD_SCALE, Fp8Head, fp8_quantize, fused_head_loss,  # noqa: E402
+                            softcap_ce_rows)
+from creditlab.runtime import cuda_ms, gpu_benchmark_folder, largest_relative_error, write_benchmark  # noqa: E402
+
+CAP = 15.0
+
+
+def reference(h, w, targets, vocab, chunk):
+    """Loss, d loss/dh and d loss/dW in float64, chunk by chunk (the torch arithmetic of loss.py)."""
+    n = h.shape[0]
+    h64, w64 = h.double(), w.double()
+    total, gh, gw = 0.0, torch.empty_like(h64), torch.zeros_like(w64)
+    for start in range(0, n, chunk):
+        rows, g = softcap_ce_rows(h64[start:start + chunk] @ w64.t(), targets[start:start + chunk], vocab, CAP,
+                                  1.0 / n)
+        total += rows.sum().item()
+        gh[start:start + chunk] = g @ w64
+        gw += g.t() @ h64[start:start + chunk]
+    return total / n, gh, gw
+
+
+def quantized_reference(h, w, targets, vocab, chunk):
+    """What the FP8 path computes, in float64: the products of the quantized operands, with each chunk's
+    gradient of the logits rounded to e5m2 at the fixed scale (from float64 logits)."""
+    (h8, sh), (w8, sw) = fp8_quantize(h), fp8_quantize(w)
+    hq, wq = h8.double() * sh.double(), w8.double() * sw.double()
+    n = h.shape[0]
+    total, gh, gw = 0.0, torch.empty_like(hq), torch.zeros_like(wq)
+    for start in range(0, n, chunk):
+        rows, g = softcap_ce_rows(hq[start:start + chunk] @ wq.t(), targets[start:start + chunk], vocab, CAP,
+                                  HEAD_GRAD_SCALE)
+        g = g.to(HEAD_GRAD_FP8).double() / (HEAD_GRAD_SCALE * n)
+        total += rows.sum().item()
+        gh[start:start + chunk] = g @ wq
+        gw += g.t() @ hq[start:start + chunk]
+    return total / n, gh, gw
+
+
+def errors(got, want):
+    return {"loss": abs(got[0].item() - want[0]) / abs(want[0]), "grad_h": largest_relative_error(got[1], want[1]),
+            "grad_w": largest_relative_error(got[2], want[2])}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tokens", type=int, default=64 * 2048)
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=12_289)
+    ap.add_argument("--chunk", type=int, default=8_192)
+    args = ap.parse_args()
+    out = gpu_benchmark_folder(args.out)
+    if out is None:
+        return 2
+    N, d, V, chunk = args.tokens, args.width, args.vocab, args.chunk
+    Vp = (V + 63) // 64 * 64
+    torch.manual_seed(0)
+    h = torch.nn.functional.rms_norm(torch.randn(N, d, device="cuda"), (d,)).bfloat16()  # the head reads norm(x)
+    w = torch.randn(Vp, d, device="cuda") * 0.02  # a trained head's scale: logits of a few units
+    targets = torch.randint(0, V, (N,), device="cuda")
+    paths = {"bf16": False, "fp8": True}
+    run = {name: (lambda fp8=fp8: fused_head_loss(h, w, targets, V, CAP, chunk, fp8)) for name, fp8 in paths.items()}
+    for fn in run.values():
+        fn()
+    rounds = {name: [] for name in paths}
+    for r in range(10):
+        for name in (list(paths) if r % 2 == 0 else list(paths)[::-1]):
+            rounds[name].append(cuda_ms(run[name], repeats=5, warmup=1))
+    ratios = [f / b for f, b in zip(rounds["fp8"], rounds["bf16"])]
+    times = {name: statistics.median(ms) for name, ms in rounds.items()}
+
+    # the FP8 path's parts, one chunk of the seed shape
+    head = Fp8Head(h, w)
+    logits = torch._scaled_mm(head.h8[:chunk], head.w8.t(), scale_a=head.h_scale, scale_b=head.w_scale,
+                              out_dtype=torch.bfloat16)
+    _, g8 = kernels.softcap_ce_rows(logits, targets[:chunk], V, CAP, HEAD_GRAD_SCALE, grad_dtype=HEAD_GRAD_FP8)
+    h16, w16 = h[:chunk], w.bfloat16()
+    g16 = kernels.softcap_ce_rows(h16 @ w16.t(), targets[:chunk], V, CAP, 1.0 / N)[1]
+    g_scale = torch.full((), 1.0 / (HEAD_GRAD_SCALE * N), device="cuda")
+    parts = {
+        "quantize h and W (per micro-batch)": cuda_ms(lambda: Fp8Head(h, w)),
+        "logits product, bf16": cuda_ms(lambda: h16 @ w16.t()),
+        "logits product, fp8": cuda_ms(lambda: torch._scaled_mm(head.h8[:chunk], head.w8.t(), scale_a=head.h_scale,
+                                                                scale_b=head.w_scale, out_dtype=torch.bfloat16)),
+        "cross-entropy kernel, bf16 gradient": cuda_ms(
+            lambda: kernels.softcap_ce_rows(logits, targets[:chunk], V, CAP, 1.0 / N)),
+        "cross-entropy kernel, e5m2 gradient": cuda_ms(
+            lambda: kernels.softcap_ce_rows(logits, targets[:chunk], V, CAP, HEAD_GRAD_SCALE, grad_dtype=HEAD_GRAD_FP8)),
+        "dh product, bf16": cuda_ms(lambda: g16 @ w16),
+        "dh product, fp8": cuda_ms(lambda: torch._scaled_mm(g8, head.w8_t.t(), scale_a=g_scale, scale_b=head.w_scale,
+                                                            out_dtype=torch.bfloat16)),
+        "dW product, bf16": cuda_ms(lambda: g16.t() @ h16),
+        "dW product, fp8": cuda_ms(lambda: torch._scaled_mm(tiled_transpose.transpose(g8), head.h8_t[:, :chunk].t(),
+                                                            scale_a=g_scale, scale_b=head.h_scale,
+                                                            out_dtype=torch.float32)),
+        "transpose of the e5m2 gradient, tiled kernel": cuda_ms(lambda: tiled_transpose.transpose(g8)),
+        "transpose of the e5m2 gradient, torch copy": cuda_ms(lambda: g8.t().contiguous()),
+    }
+    # the kernel's e5m2 rounding against torch's of the same float32 gradient
+    g32 = kernels.softcap_ce_rows(logits.float(), targets[:chunk], V, CAP, HEAD_GRAD_SCALE,
+                                  grad_dtype=torch.float32)[1]
+    g8_from_32 = kernels.softcap_ce_rows(logits.float(), targets[:chunk], V, CAP, HEAD_GRAD_SCALE,
+                                         grad_dtype=HEAD_GRAD_FP8)[1]
+    same_rounding = (g8_from_32.view(torch.uint8) == g32.to(HEAD_GRAD_FP8).view(torch.uint8)).double().mean().item()
+    transpose_exact = torch.equal(tiled_transpose.transpose(g8).view(torch.uint8),
+                                  g8.t().contiguous().view(torch.uint8))
+
+    # errors on a slice of the micro-batch (float64 over all of it would take minutes)
+    n_err = min(N, 4 * chunk)
+    he, te = h[:n_err], targets[:n_err]
+    ref = reference(he, w, te, V, chunk)
+    quant = quantized_reference(he, w, te, V, chunk)
+    got = {name: fused_head_loss(he, w, te, V, CAP, chunk, fp8) for name, fp8 in paths.items()}
+    errs = {name: errors(value, ref) for name, value in got.items()}
+    fp8_vs_quantized = errors(got["fp8"], quant)
+
+    result = {"shape": {"tokens": N, "width": d, "vocab": V, "padded_vocab": Vp, "chunk": chunk},
+              "ms_per_micro_batch": times, "rounds_ms": rounds, "fp8_over_bf16_per_round": ratios,
+              "parts_ms_one_chunk": parts, "errors_vs_float64": errs, "fp8_vs_its_quantized_operands": fp8_vs_quantized,
+              "e5m2_rounding_equal_to_torch": same_rounding, "tiled_transpose_exact": transpose_exact,
+              "error_tokens": n_err, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    lines = [f"# The head loss of one micro-batch: {N} tokens x {d} -> {Vp} (vocabulary {V}), chunk {chunk} "
+             f"({result['device']}, torch {torch.__version__})", "",
+             "| path | ms per micro-batch (median of 10 alternated rounds) | loss rel. error | d h | d W |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {name} | {times[name]:.3f} | {errs[name]['loss']:.1e} | {errs[name]['grad_h']:.1e} | "
+              f"{errs[name]['grad_w']:.1e} |" for name in paths]
+    lines += ["", f"FP8 over bf16 per round: median {statistics.median(ratios):.4f} (range {min(ratios):.4f} .. "
+              f"{max(ratios):.4f}). Errors: largest entry's difference over the largest entry, against float64 on "
+              f"the first {n_err} tokens; the FP8 path against the float64 products of its own quantized operands: "
+              f"loss {fp8_vs_quantized['loss']:.1e}, d h {fp8_vs_quantized['grad_h']:.1e}, d W "
+              f"{fp8_vs_quantized['grad_w']:.1e}.", "",
+              f"The cross-entropy kernel's e5m2 rounding equals torch's for {same_rounding:.6f} of the entries; the "
+              f"tiled transpose is exact: {transpose_exact}.", "", "| part (one chunk) | ms |", "|---|---|"]
+    lines += [f"| {name} | {ms:.3f} |" for name, ms in parts.items()]
+    write_benchmark(out, "fp8_head", result, lines)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
