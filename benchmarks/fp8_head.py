@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from creditlab import kernels  # noqa: E402
 from creditlab.kernels import tiled_transpose  # noqa: E402
-from creditlab.loss import (HEAD_GRAD_FP8, HEAD_GRAD_SCALE, Fp8Head, fp8_quantize, fused_head_loss,  # noqa: E402
-                            softcap_ce_rows)
+from creditlab.loss import (HEAD_GRAD_FP8, HEAD_GRAD_SCALE, HEAD_INPUT_FP8, Fp8Head, _quantize,  # noqa: E402
+                            fp8_quantize, fused_head_loss, softcap_ce_rows)
 from creditlab.runtime import cuda_ms, gpu_benchmark_folder, largest_relative_error, write_benchmark  # noqa: E402
 
 CAP = 15.0
@@ -100,7 +100,9 @@ def main() -> int:
     g16 = kernels.softcap_ce_rows(h16 @ w16.t(), targets[:chunk], V, CAP, 1.0 / N)[1]
     g_scale = torch.full((), 1.0 / (HEAD_GRAD_SCALE * N), device="cuda")
     parts = {
-        "quantize h and W (per micro-batch)": cuda_ms(lambda: Fp8Head(h, w)),
+        "quantize and transpose h and W (per micro-batch)": cuda_ms(lambda: Fp8Head(h, w)),
+        "quantize h, compiled (per micro-batch)": cuda_ms(lambda: fp8_quantize(h)),
+        "quantize h, eager (per micro-batch)": cuda_ms(lambda: _quantize(h, HEAD_INPUT_FP8)),
         "logits product, bf16": cuda_ms(lambda: h16 @ w16.t()),
         "logits product, fp8": cuda_ms(lambda: torch._scaled_mm(head.h8[:chunk], head.w8.t(), scale_a=head.h_scale,
                                                                 scale_b=head.w_scale, out_dtype=torch.bfloat16)),
@@ -124,6 +126,9 @@ def main() -> int:
     g8_from_32 = kernels.softcap_ce_rows(logits.float(), targets[:chunk], V, CAP, HEAD_GRAD_SCALE,
                                          grad_dtype=HEAD_GRAD_FP8)[1]
     same_rounding = (g8_from_32.view(torch.uint8) == g32.to(HEAD_GRAD_FP8).view(torch.uint8)).double().mean().item()
+    compiled_q, eager_q = fp8_quantize(h), _quantize(h, HEAD_INPUT_FP8)
+    compiled_quantize_exact = (torch.equal(compiled_q[0].view(torch.uint8), eager_q[0].view(torch.uint8))
+                               and torch.equal(compiled_q[1], eager_q[1]))
     transpose_exact = torch.equal(tiled_transpose.transpose(g8).view(torch.uint8),
                                   g8.t().contiguous().view(torch.uint8))
 
@@ -140,6 +145,7 @@ def main() -> int:
               "ms_per_micro_batch": times, "rounds_ms": rounds, "fp8_over_bf16_per_round": ratios,
               "parts_ms_one_chunk": parts, "errors_vs_float64": errs, "fp8_vs_its_quantized_operands": fp8_vs_quantized,
               "e5m2_rounding_equal_to_torch": same_rounding, "tiled_transpose_exact": transpose_exact,
+              "compiled_quantize_equals_eager": compiled_quantize_exact,
               "error_tokens": n_err, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     lines = [f"# The head loss of one micro-batch: {N} tokens x {d} -> {Vp} (vocabulary {V}), chunk {chunk} "
              f"({result['device']}, torch {torch.__version__})", "",
@@ -153,7 +159,8 @@ def main() -> int:
               f"loss {fp8_vs_quantized['loss']:.1e}, d h {fp8_vs_quantized['grad_h']:.1e}, d W "
               f"{fp8_vs_quantized['grad_w']:.1e}.", "",
               f"The cross-entropy kernel's e5m2 rounding equals torch's for {same_rounding:.6f} of the entries; the "
-              f"tiled transpose is exact: {transpose_exact}.", "", "| part (one chunk) | ms |", "|---|---|"]
+              f"tiled transpose is exact: {transpose_exact}; the compiled quantization equals the eager one bit for bit: "
+              f"{compiled_quantize_exact}.", "", "| part (one chunk) | ms |", "|---|---|"]
     lines += [f"| {name} | {ms:.3f} |" for name, ms in parts.items()]
     write_benchmark(out, "fp8_head", result, lines)
     return 0

@@ -57,12 +57,26 @@ def _chunk_loss_and_grads(h: torch.Tensor, weight: torch.Tensor, targets: torch.
     return loss_rows.sum(), dlogits @ weight, dlogits.t() @ h
 
 
-def fp8_quantize(x: torch.Tensor, dtype: torch.dtype = HEAD_INPUT_FP8) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, s): x / s rounded to dtype, with one float32 scale s = max |x| / dtype's largest value (a tensor on x's
-    device, so no host sync), so that q * s ~ x. An all-zero x (the zero-initialized head) gets a tiny s."""
-    amax = x.abs().amax().float().clamp_min(torch.finfo(torch.float32).tiny)
+def _quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    amax = torch.linalg.vector_norm(x, float("inf")).float().clamp_min(torch.finfo(torch.float32).tiny)
     scale = amax / torch.finfo(dtype).max
     return (x.float() / scale).to(dtype), scale
+
+
+_compiled_quantize = None
+
+
+def fp8_quantize(x: torch.Tensor, dtype: torch.dtype = HEAD_INPUT_FP8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, s): x / s rounded to dtype, with one float32 scale s = max |x| / dtype's largest value (a tensor on x's
+    device, so no host sync), so that q * s ~ x. An all-zero x (the zero-initialized head) gets a tiny s. On CUDA
+    compiled into a reduction and one pass: eager, the float32 quotient alone is a round trip of 4 bytes an
+    element (benchmarks/fp8_head.py times both)."""
+    global _compiled_quantize
+    if not x.is_cuda:
+        return _quantize(x, dtype)
+    if _compiled_quantize is None:
+        _compiled_quantize = torch.compile(_quantize, dynamic=False)
+    return _compiled_quantize(x, dtype)
 
 
 class Fp8Head:
@@ -72,9 +86,9 @@ class Fp8Head:
     def __init__(self, h: torch.Tensor, weight: torch.Tensor):
         self.out_dtype = h.dtype
         self.h8, self.h_scale = fp8_quantize(h)
-        self.h8_t = self.h8.t().contiguous()  # (d, N): its column blocks are the chunks' rows, summed over in dW
+        self.h8_t = kernels.transpose(self.h8)  # (d, N): its column blocks are the chunks' rows, summed over in dW
         self.w8, self.w_scale = fp8_quantize(weight)
-        self.w8_t = self.w8.t().contiguous()  # (d, Vp): W with the vocabulary contiguous, summed over in dh
+        self.w8_t = kernels.transpose(self.w8)  # (d, Vp): W with the vocabulary contiguous, summed over in dh
 
     def chunk(self, start: int, stop: int, targets: torch.Tensor, vocab_size: int, cap: float, scale: float):
         """_chunk_loss_and_grads of rows start:stop, through FP8 products with float32 accumulation."""
