@@ -251,6 +251,8 @@ ARMS_FIGURES = [
     ("arms_grouped_muon_seed.json", "arms_grouped_muon_seed.png", "Muon: same-shaped matrices together vs torch's"),
     ("arms_grouped_muon_second_seed.json", "arms_grouped_muon_second_seed.png", "the same, a second process"),
     ("arms_grouped_muon_second_seed.json", "arms_grouped_muon_rows_seed.png", None),
+    ("arms_fp8_head_seed.json", "arms_fp8_head_seed.png", "the head's products on FP8 tensor cores, native and learned"),
+    ("arms_fp8_head_first_seed.json", "arms_fp8_head_first_seed.png", "the same, the first version (eager quantization)"),
 ]
 
 

@@ -3,7 +3,8 @@
 # compilation): the head-loss kernel's configurations; the arms interleaved (the default native step, its
 # recompute choices, the credit sources, the teacher, one teacher in four) with a kernel profile and a
 # breakdown of the native memory peak; board power and clocks sampled every 2 s; what one compiled forward keeps;
-# each generated kernel of native, zero and learned against the card's streaming rate.
+# each generated kernel of native, zero and learned against the card's streaming rate; the head loss with its
+# products in FP8 against bf16.
 #   bash benchmarks/seed_suite.sh OUT_DIR
 set -uo pipefail
 out=${1:?output folder}
@@ -16,6 +17,7 @@ if command -v nvidia-smi >/dev/null; then
   trap 'kill $dmon 2>/dev/null' EXIT
 fi
 python3 "$here/softcap_ce.py" --out "$out/softcap_ce" 2>&1 | tail -15
+python3 "$here/fp8_head.py" --out "$out/fp8_head" 2>&1 | head -8
 python3 "$here/arms.py" --out "$out/arms" --profile native --memory native \
   --arms native,native+recompute_all,native_plain,zero,learned,learned_materialized,teacher,cycle --updates 16 \
   2>&1 | grep -v "^update" | tail -20

@@ -399,10 +399,19 @@ def record_dirs(out: Path, result: dict) -> list[Path]:
     return sorted(p for p in out.iterdir() if (p / "arm.json").exists())
 
 
+def missing_records(folders: list[Path]) -> list[Path]:
+    """The arm-seed record folders that are not there (a seed kept only as its compare.json): their numbers
+    are in the comparison, their rows and eval rows are not."""
+    return [folder for folder in folders if not (folder / "arm.json").exists()]
+
+
 def load_runs(folders: list[Path]) -> dict:
-    """Rows and eval rows of arm-seed record folders, by arm label and seed (for figures)."""
+    """Rows and eval rows of arm-seed record folders, by arm label and seed (for figures); missing_records are
+    left out."""
     found = {}
     for folder in folders:
+        if not (folder / "arm.json").exists():
+            continue
         arm = json.loads((folder / "arm.json").read_text())
         rows = read_jsonl(folder / "rows.jsonl") if (folder / "rows.jsonl").exists() else []
         evals = read_jsonl(folder / "eval.jsonl") if (folder / "eval.jsonl").exists() else []

@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from creditlab.compare import load_runs, record_dirs, steady_seconds, verdicts
+from creditlab.compare import load_runs, missing_records, record_dirs, steady_seconds, verdicts
 from creditlab.protocol.records import write_once
 
 FIGURES = ("dev_vs_updates.png", "dev_vs_gpu_seconds.png", "fit_quality.png", "alignment.png")
@@ -142,4 +142,9 @@ def figures(out: Path, result: dict) -> None:
 
 def write_report(out: Path, result: dict) -> Path:
     figures(out, result)
-    return write_once(out / "report.md", markdown(result))
+    text = markdown(result)
+    missing = missing_records(record_dirs(out, result))
+    if missing:
+        text += (f"\nThe figures leave out {len(missing)} arm-seed records that were not found (their numbers are in "
+                 f"the tables): {', '.join(str(f) for f in missing)}.\n")
+    return write_once(out / "report.md", text)

@@ -225,6 +225,15 @@ def test_merge_joins_seeds_run_in_separate_processes(corpus, tmp_path, capsys):
     assert sorted(held["models"]) == ["native-seed1", "native-seed2", "zero-seed1", "zero-seed2"]
     assert len(entries(corpus)) == before + 1
     capsys.readouterr()
+    # A seed whose record folders are gone (kept as its compare.json only) still merges: its numbers in the
+    # tables, its curves left out of the figures, and the report says so.
+    import shutil
+    shutil.copytree(tmp_path / "s2", tmp_path / "s2_numbers_only", ignore=shutil.ignore_patterns("*-seed2"))
+    assert cli.main(["compare", "--merge", str(tmp_path / "s1"), str(tmp_path / "s2_numbers_only"),
+                     "--out", str(tmp_path / "numbers_only")]) == 0
+    report = (tmp_path / "numbers_only" / "report.md").read_text()
+    assert "leave out 2 arm-seed records that were not found" in report and "zero-seed2" in report
+    assert (tmp_path / "numbers_only" / "dev_vs_updates.png").exists()
     # The same seed twice is refused.
     assert cli.main(["compare", "--merge", str(tmp_path / "s1"), str(tmp_path / "s1"),
                      "--out", str(tmp_path / "again")]) == 2
