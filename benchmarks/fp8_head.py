@@ -27,34 +27,25 @@ from creditlab.runtime import cuda_ms, gpu_benchmark_folder, largest_relative_er
 CAP = 15.0
 
 
-def reference(h, w, targets, vocab, chunk):
-    """Loss, d loss/dh and d loss/dW in float64, chunk by chunk (the torch arithmetic of loss.py)."""
+def reference(h, w, targets, vocab, chunk, quantized=False):
+    """Loss, d loss/dh and d loss/dW in float64, chunk by chunk (the torch arithmetic of loss.py). quantized: what
+    the FP8 path computes, the products of the quantized operands, with each chunk's gradient of the logits
+    rounded to e5m2 at the fixed scale (from float64 logits)."""
     n = h.shape[0]
-    h64, w64 = h.double(), w.double()
+    if quantized:
+        (h8, sh), (w8, sw) = fp8_quantize(h), fp8_quantize(w)
+        h64, w64 = h8.double() * sh.double(), w8.double() * sw.double()
+    else:
+        h64, w64 = h.double(), w.double()
     total, gh, gw = 0.0, torch.empty_like(h64), torch.zeros_like(w64)
     for start in range(0, n, chunk):
         rows, g = softcap_ce_rows(h64[start:start + chunk] @ w64.t(), targets[start:start + chunk], vocab, CAP,
-                                  1.0 / n)
+                                  HEAD_GRAD_SCALE if quantized else 1.0 / n)
+        if quantized:
+            g = g.to(HEAD_GRAD_FP8).double() / (HEAD_GRAD_SCALE * n)
         total += rows.sum().item()
         gh[start:start + chunk] = g @ w64
         gw += g.t() @ h64[start:start + chunk]
-    return total / n, gh, gw
-
-
-def quantized_reference(h, w, targets, vocab, chunk):
-    """What the FP8 path computes, in float64: the products of the quantized operands, with each chunk's
-    gradient of the logits rounded to e5m2 at the fixed scale (from float64 logits)."""
-    (h8, sh), (w8, sw) = fp8_quantize(h), fp8_quantize(w)
-    hq, wq = h8.double() * sh.double(), w8.double() * sw.double()
-    n = h.shape[0]
-    total, gh, gw = 0.0, torch.empty_like(hq), torch.zeros_like(wq)
-    for start in range(0, n, chunk):
-        rows, g = softcap_ce_rows(hq[start:start + chunk] @ wq.t(), targets[start:start + chunk], vocab, CAP,
-                                  HEAD_GRAD_SCALE)
-        g = g.to(HEAD_GRAD_FP8).double() / (HEAD_GRAD_SCALE * n)
-        total += rows.sum().item()
-        gh[start:start + chunk] = g @ wq
-        gw += g.t() @ hq[start:start + chunk]
     return total / n, gh, gw
 
 
@@ -136,7 +127,7 @@ def main() -> int:
     n_err = min(N, 4 * chunk)
     he, te = h[:n_err], targets[:n_err]
     ref = reference(he, w, te, V, chunk)
-    quant = quantized_reference(he, w, te, V, chunk)
+    quant = reference(he, w, te, V, chunk, quantized=True)
     got = {name: fused_head_loss(he, w, te, V, CAP, chunk, fp8) for name, fp8 in paths.items()}
     errs = {name: errors(value, ref) for name, value in got.items()}
     fp8_vs_quantized = errors(got["fp8"], quant)
