@@ -50,11 +50,17 @@ def _rows_fn(h: torch.Tensor):
     return kernels.softcap_ce_rows if kernels.available(h) else softcap_ce_rows
 
 
-def _chunk_loss_and_grads(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
-                          cap: float, scale: float):
-    """Sum of the chunk's losses, and d(scale * sum)/dh, d(scale * sum)/dW. h: (n, d); weight: (Vp, d)."""
-    loss_rows, dlogits = _rows_fn(h)(h @ weight.t(), targets, vocab_size, cap, scale)
-    return loss_rows.sum(), dlogits @ weight, dlogits.t() @ h
+class PlainHead:
+    """A micro-batch's operands of the head in h's dtype (bf16 under autocast), chunk by chunk."""
+
+    def __init__(self, h: torch.Tensor, weight: torch.Tensor, scale: float):
+        self.h, self.w, self.scale = h, weight.to(h.dtype), scale
+
+    def chunk(self, start: int, stop: int, targets: torch.Tensor, vocab_size: int, cap: float):
+        """Sum of the chunk's losses, and d(scale * sum)/dh, d(scale * sum)/dW for rows start:stop."""
+        h = self.h[start:stop]
+        loss_rows, dlogits = _rows_fn(h)(h @ self.w.t(), targets, vocab_size, cap, self.scale)
+        return loss_rows.sum(), dlogits @ self.w, dlogits.t() @ h
 
 
 def _quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,22 +89,24 @@ class Fp8Head:
     """A micro-batch's operands of the FP8 head, quantized once: h (N, d) and W (Vp, d) in e4m3, each also
     transposed, because FP8 tensor-core products take both operands with the summed index contiguous."""
 
-    def __init__(self, h: torch.Tensor, weight: torch.Tensor):
+    def __init__(self, h: torch.Tensor, weight: torch.Tensor, scale: float):
         self.out_dtype = h.dtype
+        # the scale of the products with the e5m2 gradient: the loss's own over the gradient's fixed one
+        self.g_scale = torch.full((), scale / HEAD_GRAD_SCALE, dtype=torch.float32, device=h.device)
         self.h8, self.h_scale = fp8_quantize(h)
         self.h8_t = kernels.transpose(self.h8)  # (d, N): its column blocks are the chunks' rows, summed over in dW
         self.w8, self.w_scale = fp8_quantize(weight)
         self.w8_t = kernels.transpose(self.w8)  # (d, Vp): W with the vocabulary contiguous, summed over in dh
 
-    def chunk(self, start: int, stop: int, targets: torch.Tensor, vocab_size: int, cap: float, scale: float):
-        """_chunk_loss_and_grads of rows start:stop, through FP8 products with float32 accumulation."""
+    def chunk(self, start: int, stop: int, targets: torch.Tensor, vocab_size: int, cap: float):
+        """PlainHead.chunk through FP8 products with float32 accumulation (W quantized from its own dtype)."""
         h8 = self.h8[start:stop]
         logits = torch._scaled_mm(h8, self.w8.t(), scale_a=self.h_scale, scale_b=self.w_scale,
                                   out_dtype=self.out_dtype)
         loss_rows, g8 = _rows_fn(h8)(logits, targets, vocab_size, cap, HEAD_GRAD_SCALE, grad_dtype=HEAD_GRAD_FP8)
-        g_scale = torch.full((), scale / HEAD_GRAD_SCALE, dtype=torch.float32, device=h8.device)
-        gh = torch._scaled_mm(g8, self.w8_t.t(), scale_a=g_scale, scale_b=self.w_scale, out_dtype=self.out_dtype)
-        gw = torch._scaled_mm(kernels.transpose(g8), self.h8_t[:, start:stop].t(), scale_a=g_scale,
+        gh = torch._scaled_mm(g8, self.w8_t.t(), scale_a=self.g_scale, scale_b=self.w_scale,
+                              out_dtype=self.out_dtype)
+        gw = torch._scaled_mm(kernels.transpose(g8), self.h8_t[:, start:stop].t(), scale_a=self.g_scale,
                               scale_b=self.h_scale, out_dtype=torch.float32)
         return loss_rows.sum(), gh, gw
 
@@ -113,19 +121,14 @@ def fused_head_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
     gradient of the logits for it (3 GB at the seed shape). As one operator, its small outputs are what is
     kept, and only one chunk's logits are alive at a time."""
     n_targets = h.shape[0]
-    w = weight.to(h.dtype)
-    head = Fp8Head(h, weight) if fp8 else None  # W quantized from its own dtype, not a bf16 copy
+    head = (Fp8Head if fp8 else PlainHead)(h, weight, 1.0 / n_targets)
     grad_h = torch.empty_like(h)
     acc = torch.promote_types(h.dtype, torch.float32)
     grad_w = torch.zeros(weight.shape, dtype=acc, device=h.device)
     total = torch.zeros((), dtype=acc, device=h.device)
     for start in range(0, n_targets, chunk):
         stop = min(start + chunk, n_targets)
-        if head is not None:
-            loss_sum, gh, gw = head.chunk(start, stop, targets[start:stop], vocab_size, cap, 1.0 / n_targets)
-        else:
-            loss_sum, gh, gw = _chunk_loss_and_grads(h[start:stop], w, targets[start:stop], vocab_size, cap,
-                                                     1.0 / n_targets)
+        loss_sum, gh, gw = head.chunk(start, stop, targets[start:stop], vocab_size, cap)
         total += loss_sum
         grad_h[start:stop] = gh
         grad_w += gw.to(acc)
