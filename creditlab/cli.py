@@ -152,6 +152,10 @@ def cmd_train(args) -> int:
     finally:
         if lock is not None:
             lock.release()
+        # The process group goes after the trainer: were DDP's reducer to release the group's last reference, gloo
+        # would join its worker threads with the interpreter lock held while they wait for it to free tensors.
+        trainer = None  # noqa: F841
+        rt.leave_process_group()
 
 
 def _train(args, cfg, runtime, trainer, record) -> int:
@@ -212,7 +216,6 @@ def _train(args, cfg, runtime, trainer, record) -> int:
     if runtime.is_main:
         print(json.dumps(result) if args.json else
               f"done: loss {result['first_loss']:.4f} -> {result['final_loss']:.4f} over {len(rows)} updates")
-    rt.leave_process_group()
     return 0
 
 
