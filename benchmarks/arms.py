@@ -163,6 +163,98 @@ def _gaps(gaps) -> str:
     return "; ".join(f"{ms:.2f} ms after {a[:50]} before {b[:50]}" for ms, a, b in gaps)
 
 
+HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation", "python_function")
+
+
+def idle_causes(trace: dict, updates: int, floor_ms: float = 0.05, listed: int = 12) -> str:
+    """What the host did while the GPU idled, from a trace with host ops: each idle stretch of at least
+    `floor_ms` ends with a kernel (or copy) that a runtime call on the host launched (matched by correlation
+    id). Launched within the stretch, the GPU waited for the host: the stretch is charged to the longest host
+    call in it between the stretch's start and the launch (a synchronization, an allocation, or Python between
+    launches when none stands out), and to the outermost op around the launch. Launched before the stretch, the
+    work waited on something else (another stream, the host's copy). Totals per cause, ms per update."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")),
+                    key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    host = sorted((e for e in events if e.get("cat") in HOST_CATEGORIES), key=lambda e: e["ts"])
+    starts = [e["ts"] for e in host]
+    import bisect
+
+    def overlapping(lo: float, hi: float) -> list[dict]:
+        # host events are short next to an update; look back far enough for the outermost ones
+        first = bisect.bisect_left(starts, lo - 5e5)
+        return [e for e in host[first:bisect.bisect_right(starts, hi)] if e["ts"] + e.get("dur", 0) > lo]
+
+    totals: dict[str, float] = {}
+    rows, end = [], None
+    for e in device:
+        stop = e["ts"] + e.get("dur", 0)
+        if end is not None and e["ts"] - end >= floor_ms * 1e3:
+            gap = (e["ts"] - end) / 1e3
+            launch = launches.get(e.get("args", {}).get("correlation"))
+            if launch is None or launch["ts"] <= end:
+                cause = "queued before the stretch: waited on another stream or a copy"
+                around = ""
+            else:
+                def within(h, lo=end, hi=launch["ts"]):  # the part of a host call inside the stretch
+                    return min(h["ts"] + h.get("dur", 0), hi) - max(h["ts"], lo)
+
+                calls = [h for h in overlapping(end, launch["ts"])
+                         if h is not launch and h.get("cat") in ("cuda_runtime", "cuda_driver")]
+                longest = max(calls, key=within, default=None)
+                if longest is not None and within(longest) >= 0.5 * (launch["ts"] - end):
+                    cause = f"host in {longest['name']}"
+                else:
+                    cause = "host between launches (Python, dispatch)"
+                outer = [h for h in overlapping(launch["ts"], launch["ts"]) if h.get("cat") != "cuda_runtime"]
+                around = min(outer, key=lambda h: h["ts"])["name"] if outer else "?"
+            key = f"{cause}; launched in {around}" if around else cause
+            totals[key] = totals.get(key, 0.0) + gap
+            rows.append((gap, e.get("name", "?"), key))
+        end = stop if end is None else max(end, stop)
+    lines = [f"idle stretches of {floor_ms} ms or more: {len(rows) / updates:.1f} per update, "
+             f"{sum(r[0] for r in rows) / updates:.2f} ms per update", "", "| cause | ms per update |", "|---|---|"]
+    lines += [f"| {k[:160]} | {v / updates:.2f} |" for k, v in sorted(totals.items(), key=lambda kv: -kv[1])]
+    lines += ["", "longest:"] + [f"- {g:.3f} ms before {name[:60]}: {key[:160]}" for g, name, key in
+                                 sorted(rows, reverse=True)[:listed]]
+    return "\n".join(lines) + "\n"
+
+
+def synchronizations(trainer: Trainer, path: Path) -> None:
+    """One more update with CUDA's synchronization warnings on: every call that makes the host wait for the
+    device, with where it came from (the innermost frames of the package), and the caching allocator's device
+    allocations, frees and retries during that update."""
+    import traceback
+    import warnings
+
+    before = torch.cuda.memory_stats()
+    seen: dict[str, int] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+
+        def note(message, category, filename, lineno, file=None, line=None):
+            stack = [f for f in traceback.extract_stack()[:-1] if "creditlab" in f.filename or "arms" in f.filename]
+            where = " < ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in reversed(stack[-4:]))
+            key = f"{str(message).splitlines()[0][:80]} at {where or '?'}"
+            seen[key] = seen.get(key, 0) + 1
+
+        warnings.showwarning = note
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer.train_update()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    after = torch.cuda.memory_stats()
+    stats = {k: after.get(k, 0) - before.get(k, 0) for k in
+             ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")}
+    lines = [f"synchronizing calls in one update: {sum(seen.values())}", ""]
+    lines += [f"- {n} x {k}" for k, n in sorted(seen.items(), key=lambda kv: -kv[1])]
+    lines += ["", "caching allocator during that update: " + ", ".join(f"{k} {v}" for k, v in stats.items())]
+    path.write_text("\n".join(lines) + "\n")
+
+
 def profile(trainer: Trainer, path: Path, updates: int = 2) -> None:
     """Kernel-level CUDA time of a few more updates, largest first, headed by how long the GPU was busy.
 
@@ -175,6 +267,8 @@ def profile(trainer: Trainer, path: Path, updates: int = 2) -> None:
     gpu_busy, _, gpu_gaps = gpu_busy_ms(trace, gaps=6)
     prof, _, trace = _traced(trainer, updates, [ProfilerActivity.CPU, ProfilerActivity.CUDA])
     busy, kernels, gaps = gpu_busy_ms(trace, gaps=8)
+    path.with_name(path.stem + "_idle.md").write_text(idle_causes(trace, updates))
+    synchronizations(trainer, path.with_name(path.stem + "_syncs.md"))
     head = (f"GPU busy (union of kernel, memset and memcpy intervals): {busy / updates:.1f} ms per update, "
             f"{kernels / updates:,.0f} kernels per update, over {updates} profiled updates\n"
             f"GPU activity alone traced: busy {gpu_busy / updates:.1f} of {wall * 1e3 / updates:.1f} ms wall per "

@@ -116,7 +116,7 @@ def cmd_train(args) -> int:
     from creditlab import runtime as rt
     from creditlab.protocol.records import RecordLock, new_record_dir, write_once
 
-    state = raw = None
+    state = raw = trainer = None
     if args.resume:
         record, cfg, raw = _resumable(args)
     else:
@@ -152,9 +152,8 @@ def cmd_train(args) -> int:
     finally:
         if lock is not None:
             lock.release()
-        # The process group goes after the trainer: were DDP's reducer to release the group's last reference, gloo
-        # would join its worker threads with the interpreter lock held while they wait for it to free tensors.
-        trainer = None  # noqa: F841
+        if trainer is not None:
+            trainer.close()  # before the process group: see Trainer.close
         rt.leave_process_group()
 
 

@@ -94,6 +94,14 @@ class Trainer:
         self.update_index = 0
         self.watch = LossWatch(cfg.model.vocab_size, cfg.train.stall_updates) if cfg.train.stall_updates else None
 
+    def close(self) -> None:
+        """Drop the DDP wrapper (and the compiled forward around it) before the process group is destroyed.
+        Were DDP's reducer to release the group's last reference, gloo would join its worker threads with the
+        interpreter lock held while they wait for it to free tensors: the process would hang at exit. Dropped
+        here, even a trainer an exception's traceback keeps alive holds no reducer."""
+        if self.ddp is not None:
+            self.ddp = self._forward = None
+
     def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         batch = self.loader.next()
         if self.runtime.is_cuda:

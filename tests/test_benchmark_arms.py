@@ -55,6 +55,36 @@ def test_gpu_busy_is_the_union_of_device_intervals():
     assert gaps == [(15 / 1e3, "?", "?")]
 
 
+def test_idle_stretches_are_charged_to_what_the_host_did_before_the_launch():
+    arms = load("arms")
+
+    def kernel(ts, dur, corr):
+        return {"ph": "X", "cat": "kernel", "ts": ts, "dur": dur, "name": f"k{corr}", "args": {"correlation": corr}}
+
+    def host(cat, name, ts, dur, corr=None):
+        return {"ph": "X", "cat": cat, "ts": ts, "dur": dur, "name": name,
+                **({"args": {"correlation": corr}} if corr is not None else {})}
+
+    events = [kernel(0, 100, 1), host("cuda_runtime", "cudaLaunchKernel", 0, 2, 1),
+              # the host waits 900 us in a synchronization, then launches k2: 1 ms idle, charged to the wait
+              host("cpu_op", "aten::item", 50, 1000), host("cuda_runtime", "cudaStreamSynchronize", 60, 900),
+              host("cpu_op", "step", 1040, 20), host("cuda_runtime", "cudaLaunchKernel", 1050, 5, 2),
+              kernel(1100, 100, 2),
+              # k3 was launched early but starts 300 us after k2: it waited on something other than the host
+              host("cuda_runtime", "cudaLaunchKernel", 1060, 5, 3), kernel(1500, 100, 3),
+              # k4 is launched 200 us late with nothing long on the host in between
+              host("cpu_op", "forward", 1700, 300), host("cuda_runtime", "cudaLaunchKernel", 1790, 5, 4),
+              kernel(1800, 10, 4)]
+    text = arms.idle_causes({"traceEvents": events}, updates=1)
+    table = dict(line.strip("|").rsplit("|", 1) for line in text.splitlines() if line.startswith("| ") and
+                 "cause" not in line)
+    table = {k.strip(): float(v) for k, v in table.items()}
+    assert table == {"host in cudaStreamSynchronize; launched in step": 1.0,
+                     "queued before the stretch: waited on another stream or a copy": 0.3,
+                     "host between launches (Python, dispatch); launched in forward": 0.2}
+    assert "3.0 per update, 1.50 ms per update" in text
+
+
 def test_kernel_table_classifies_a_profile_and_accounts_for_its_busy_time():
     kernel_table = load("kernel_table")
     profile = Path(__file__).resolve().parents[1] / "benchmarks/results/profile_native_fused_mlp_seed.txt"
