@@ -96,6 +96,9 @@ class CompareRun:
 
     def check(self, base: config_mod.Config) -> None:
         """Refuse, before anything runs, what cannot be compared."""
+        if rt.launched_processes() > 1:  # before any process group is joined
+            raise config_mod.ConfigError("compare runs in one process (its arms share a GPU's clock); "
+                                         "run it without torchrun")
         labels = [s.label for s in self.specs]
         for spec in self.specs:
             for seed in self.seeds:
@@ -120,9 +123,6 @@ class CompareRun:
         base = config_mod.load(self.preset, self.overrides)
         self.check(base)
         runtime = rt.resolve(base.train)
-        if runtime.world_size > 1:
-            raise config_mod.ConfigError("compare runs in one process (its arms share a GPU's clock); "
-                                         "run it without torchrun")
         peak = rt.measure_matmul_tflops(runtime)
         self.out.mkdir(parents=True, exist_ok=False)
         write_once(self.out / "env.json", {**rt.environment(runtime), "matmul_tflops": peak})

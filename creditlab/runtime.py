@@ -56,9 +56,14 @@ class Runtime:
             torch.cuda.synchronize(self.device)
 
 
+def launched_processes() -> int:
+    """How many processes torchrun started for this command (1 without torchrun); read before joining a group."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def resolve(cfg: TrainConfig) -> Runtime:
     """Pick device, dtypes and compilation from the config; join the process group under torchrun."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = launched_processes()
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("train.device=cuda but no CUDA device is visible; use --set train.device=cpu")

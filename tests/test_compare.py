@@ -105,6 +105,16 @@ def test_compare_refuses_bad_input_with_one_line(argv, message, tmp_path, capsys
     assert not (tmp_path / "c").exists()
 
 
+def test_compare_under_torchrun_is_refused_before_joining_a_process_group(tmp_path, capsys, monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it; no group can be joined here, none must be
+    code = cli.main(["compare", "--preset", "tiny", "--arms", "native", "--out", str(tmp_path / "c")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "without torchrun" in err and len(err.splitlines()) == 1
+    assert not dist.is_initialized() and not (tmp_path / "c").exists()
+
+
 def test_an_arms_override_may_hold_commas_before_digits():
     specs = parse_arms("native,learned@credit.schedule=warmup:20,4,zero@credit.schedule=fixed:4,learned")
     assert [s.label for s in specs] == ["native", "learned@credit.schedule=warmup:20,4",

@@ -44,3 +44,14 @@ def test_an_altered_admission_record_is_refused(tmp_path):
     (a.dir / adm.ADMISSION_FILE).write_text(json.dumps(meta))
     with pytest.raises(ho.HeldoutRefused, match="altered"):
         ho.heldout(finished_run(tmp_path), a.id, tmp_path)
+
+
+def test_a_heldout_read_under_torchrun_is_refused_before_the_admission_is_read(tmp_path, monkeypatch):
+    a, _ = adm.admit(config.load("tiny", [f"train.out_dir={tmp_path}"]))
+    monkeypatch.setenv("WORLD_SIZE", "2")  # every rank would read the split and append to its ledger
+    with pytest.raises(ho.HeldoutRefused, match="without torchrun"):
+        ho.heldout(finished_run(tmp_path), a.id, tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(Exception) as one_process:  # past the refusal: the fake model file is read and fails
+        ho.heldout(finished_run(tmp_path), a.id, tmp_path)
+    assert "torchrun" not in str(one_process.value)

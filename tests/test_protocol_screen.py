@@ -106,6 +106,13 @@ def test_preflight_refuses_what_cannot_be_a_synthetic_arm(tmp_path):
     assert not (tmp_path / "runs").exists()  # refused before any record
 
 
+def test_a_screen_under_torchrun_is_refused_before_any_record(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(scr.ScreenRefused, match="without torchrun"):
+        screen(cfg_for(tmp_path))
+    assert not (tmp_path / "runs").exists()
+
+
 # ---- a whole screen ----------------------------------------------------------------------------------------
 
 def test_exploratory_screen_writes_a_complete_record(tmp_path):

@@ -63,6 +63,8 @@ def heldout(path: str | Path, admission_ref: str, out_dir: str | Path, tokens: i
     from creditlab.evaluate import Evaluator
     from creditlab.model import GPT
 
+    if rt.launched_processes() > 1:  # every rank would read the split and append to its ledger
+        raise HeldoutRefused("FINAL_HELDOUT is read in one process; start it without torchrun")
     adm = require_admission(admission_ref, out_dir)
     path = Path(path)
     runs = _models(path)

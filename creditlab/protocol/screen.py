@@ -34,7 +34,6 @@ from __future__ import annotations
 import copy
 import gc
 import hashlib
-import os
 import pickle
 import sys
 import time
@@ -46,6 +45,7 @@ from typing import Any, Callable, TextIO
 import torch
 
 from creditlab import config as config_mod
+from creditlab import runtime as rt
 from creditlab.arms_runner import (OwnMemory, Step, cuda_allocated, keep_compiled_side_by_side, round_ratio,
                                    run_rounds)
 from creditlab.config import Config
@@ -176,7 +176,7 @@ def preflight(cfg: Config, synthetic_source: str) -> None:
 
     if cfg.screen.updates < 1 or cfg.screen.window < 1:
         raise ScreenRefused("screen.updates and screen.window must be positive")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if rt.launched_processes() > 1:
         raise ScreenRefused("the screen runs its two arms in one process on one device; start it without torchrun")
     if synthetic_source == "exact":
         raise ScreenRefused("the synthetic arm needs a source that omits the 16 products, not exact")
@@ -526,7 +526,6 @@ def run_screen(cfg: Config, *, admission: adm_mod.Admission | None = None,
     `admitted_screen`, which does both). Only a screen under an admission on a device that can decide
     (`cannot_decide`) records a verdict; any other is exploratory. Raises ScreenRefused / AdmissionError when
     it does not start."""
-    from creditlab import runtime as rt
 
     hooks = hooks or Hooks()
     root = Path(root) if root is not None else adm_mod.package_root()
