@@ -169,9 +169,9 @@ HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation", "
 def idle_causes(trace: dict, updates: int, floor_ms: float = 0.05, listed: int = 12) -> str:
     """What the host did while the GPU idled, from a trace with host ops: each idle stretch of at least
     `floor_ms` ends with a kernel (or copy) that a runtime call on the host launched (matched by correlation
-    id). Launched within the stretch, the GPU waited for the host: the stretch is charged to the longest host
-    call in it between the stretch's start and the launch (a synchronization, an allocation, or Python between
-    launches when none stands out), and to the outermost op around the launch. Launched before the stretch, the
+    id). Launched within the stretch, the GPU waited for the host: the stretch is charged to the longest runtime
+    call of the launching thread between the stretch's start and the launch (a synchronization, an allocation,
+    or Python between launches when none stands out), and to that thread's outermost op around the launch. Launched before the stretch, the
     work waited on something else (another stream, the host's copy). Totals per cause, ms per update."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")),
@@ -201,14 +201,16 @@ def idle_causes(trace: dict, updates: int, floor_ms: float = 0.05, listed: int =
                 def within(h, lo=end, hi=launch["ts"]):  # the part of a host call inside the stretch
                     return min(h["ts"] + h.get("dur", 0), hi) - max(h["ts"], lo)
 
-                calls = [h for h in overlapping(end, launch["ts"])
-                         if h is not launch and h.get("cat") in ("cuda_runtime", "cuda_driver")]
+                thread = launch.get("tid")  # the thread that launched the work (the backward's is autograd's)
+                calls = [h for h in overlapping(end, launch["ts"]) if h is not launch and h.get("tid") == thread
+                         and h.get("cat") in ("cuda_runtime", "cuda_driver")]
                 longest = max(calls, key=within, default=None)
                 if longest is not None and within(longest) >= 0.5 * (launch["ts"] - end):
                     cause = f"host in {longest['name']}"
                 else:
                     cause = "host between launches (Python, dispatch)"
-                outer = [h for h in overlapping(launch["ts"], launch["ts"]) if h.get("cat") != "cuda_runtime"]
+                outer = [h for h in overlapping(launch["ts"], launch["ts"])
+                         if h.get("tid") == thread and h.get("cat") not in ("cuda_runtime", "cuda_driver")]
                 around = min(outer, key=lambda h: h["ts"])["name"] if outer else "?"
             key = f"{cause}; launched in {around}" if around else cause
             totals[key] = totals.get(key, 0.0) + gap

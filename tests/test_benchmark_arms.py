@@ -61,8 +61,8 @@ def test_idle_stretches_are_charged_to_what_the_host_did_before_the_launch():
     def kernel(ts, dur, corr):
         return {"ph": "X", "cat": "kernel", "ts": ts, "dur": dur, "name": f"k{corr}", "args": {"correlation": corr}}
 
-    def host(cat, name, ts, dur, corr=None):
-        return {"ph": "X", "cat": cat, "ts": ts, "dur": dur, "name": name,
+    def host(cat, name, ts, dur, corr=None, tid=1):
+        return {"ph": "X", "cat": cat, "ts": ts, "dur": dur, "name": name, "tid": tid,
                 **({"args": {"correlation": corr}} if corr is not None else {})}
 
     events = [kernel(0, 100, 1), host("cuda_runtime", "cudaLaunchKernel", 0, 2, 1),
@@ -74,6 +74,8 @@ def test_idle_stretches_are_charged_to_what_the_host_did_before_the_launch():
               host("cuda_runtime", "cudaLaunchKernel", 1060, 5, 3), kernel(1500, 100, 3),
               # k4 is launched 200 us late with nothing long on the host in between
               host("cpu_op", "forward", 1700, 300), host("cuda_runtime", "cudaLaunchKernel", 1790, 5, 4),
+              # another thread's long call during that stretch is not what held the launch back
+              host("cpu_op", "elsewhere", 1600, 400, tid=2), host("cuda_runtime", "cudaEventSynchronize", 1610, 180, tid=2),
               kernel(1800, 10, 4)]
     text = arms.idle_causes({"traceEvents": events}, updates=1)
     table = dict(line.strip("|").rsplit("|", 1) for line in text.splitlines() if line.startswith("| ") and
