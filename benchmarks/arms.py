@@ -171,8 +171,9 @@ def idle_causes(trace: dict, updates: int, floor_ms: float = 0.05, listed: int =
     `floor_ms` ends with a kernel (or copy) that a runtime call on the host launched (matched by correlation
     id). Launched within the stretch, the GPU waited for the host: the stretch is charged to the longest runtime
     call of the launching thread between the stretch's start and the launch (a synchronization, an allocation,
-    or Python between launches when none stands out), and to that thread's outermost op around the launch. Launched before the stretch, the
-    work waited on something else (another stream, the host's copy). Totals per cause, ms per update."""
+    or Python between launches when none stands out), and to that thread's outermost op around the launch.
+    Launched before the stretch, the work waited on something else (another stream, the host's copy). Totals
+    per cause, ms per update."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")),
                     key=lambda e: e["ts"])

@@ -159,7 +159,6 @@ def cmd_train(args) -> int:
 
 def _train(args, cfg, runtime, trainer, record) -> int:
     """The loop of `train`, and the end of its record: result and report, or failure.json saying why not."""
-    from creditlab import runtime as rt
     from creditlab.protocol.records import append_jsonl, read_jsonl, write_once
     from creditlab.train import Diverged, UpdateRow, latest_rows, median_last, row_dict
 

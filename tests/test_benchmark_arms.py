@@ -75,7 +75,8 @@ def test_idle_stretches_are_charged_to_what_the_host_did_before_the_launch():
               # k4 is launched 200 us late with nothing long on the host in between
               host("cpu_op", "forward", 1700, 300), host("cuda_runtime", "cudaLaunchKernel", 1790, 5, 4),
               # another thread's long call during that stretch is not what held the launch back
-              host("cpu_op", "elsewhere", 1600, 400, tid=2), host("cuda_runtime", "cudaEventSynchronize", 1610, 180, tid=2),
+              host("cpu_op", "elsewhere", 1600, 400, tid=2),
+              host("cuda_runtime", "cudaEventSynchronize", 1610, 180, tid=2),
               kernel(1800, 10, 4)]
     text = arms.idle_causes({"traceEvents": events}, updates=1)
     table = dict(line.strip("|").rsplit("|", 1) for line in text.splitlines() if line.startswith("| ") and
