@@ -21,5 +21,6 @@ python3 "$here/fp8_head.py" --out "$out/fp8_head" 2>&1 | head -8
 python3 "$here/arms.py" --out "$out/arms" --profile native --memory native \
   --arms native,native+recompute_all,native_plain,zero,learned,learned_materialized,teacher,cycle --updates 16 \
   2>&1 | grep -v "^update" | tail -20
+python3 "$here/targets.py" "$out/arms/arms.json" --out "$out/arms/targets.md"
 python3 "$here/kept.py" --out "$out/kept" 2>&1 | head -16
 python3 "$here/kernel_bandwidth.py" --out "$out/kernel_bandwidth" --arms native,zero,learned 2>&1 | grep "^## "

@@ -125,10 +125,20 @@ def round_ratio(seconds: Sequence[float], base_seconds: Sequence[float], skip: i
     (rounds resampled with replacement, a fixed seed). A steadier reading of a ratio than the ratio of two
     last-window medians, with its uncertainty beside it. None if the arms ran different rounds or fewer than
     three rounds remain."""
+    return _per_round(seconds, base_seconds, lambda a, b: a / b, skip, resamples, seed)
+
+
+def round_difference_ms(seconds: Sequence[float], base_seconds: Sequence[float], skip: int = 2,
+                        resamples: int = 2000, seed: int = 0) -> tuple[float, float, float, int] | None:
+    """As round_ratio, for the per-round difference seconds - base_seconds, in milliseconds."""
+    return _per_round(seconds, base_seconds, lambda a, b: 1e3 * (a - b), skip, resamples, seed)
+
+
+def _per_round(seconds, base_seconds, combine, skip: int, resamples: int, seed: int):
     if len(seconds) != len(base_seconds) or len(seconds) - skip < 3:
         return None
-    ratios = [a / b for a, b in zip(seconds[skip:], base_seconds[skip:])]
+    values = [combine(a, b) for a, b in zip(seconds[skip:], base_seconds[skip:])]
     draw = random.Random(seed)
-    medians = sorted(statistics.median(draw.choices(ratios, k=len(ratios))) for _ in range(resamples))
-    return (statistics.median(ratios), medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1],
-            len(ratios))
+    medians = sorted(statistics.median(draw.choices(values, k=len(values))) for _ in range(resamples))
+    return (statistics.median(values), medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1],
+            len(values))

@@ -93,3 +93,13 @@ def test_the_round_ratio_pairs_rounds_and_its_interval_holds_the_spread():
     # the first two rounds (compilation) never count: a huge first update leaves the ratio where it was
     assert runner.round_ratio([99.0] + steady[1:], base)[0] == pytest.approx(0.93)
     assert runner.round_ratio(steady[:4], base[:4]) is None  # two rounds after the skip: too few
+
+
+def test_the_round_difference_is_taken_round_by_round_in_ms():
+    import pytest
+
+    base = [9.0, 9.0] + [0.30, 0.34] * 8  # the card's drift: 40 ms between rounds
+    faster = [b - 0.003 for b in base]  # 3 ms faster in every round
+    median, lo, hi, n = runner.round_difference_ms(faster, base)
+    assert n == 16 and median == lo == hi == pytest.approx(-3.0)
+    assert runner.round_difference_ms(faster[:-1], base) is None
