@@ -139,6 +139,30 @@ def gpu_busy_ms(trace: dict, gaps: int = 0) -> tuple[float, int, list[tuple[floa
     return busy / 1e3, kernels, sorted(idle, reverse=True)[:gaps]
 
 
+GC_LABEL = "python garbage collection"
+
+
+class CollectionsInTrace:
+    """Marks each of Python's garbage collections as a host range in a profiler trace (`GC_LABEL`), so that an
+    idle stretch of the GPU during one is charged to it."""
+
+    def __enter__(self):
+        self._open = None
+        gc.callbacks.append(self._event)
+        return self
+
+    def _event(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._open = torch.autograd.profiler.record_function(GC_LABEL)
+            self._open.__enter__()
+        elif self._open is not None:
+            self._open.__exit__(None, None, None)
+            self._open = None
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._event)
+
+
 def _traced(trainer: Trainer, updates: int, activities) -> tuple[object, float, dict]:
     """`updates` more updates under torch.profiler: the profiler, their wall seconds, and the Chrome trace."""
     import tempfile
@@ -146,7 +170,7 @@ def _traced(trainer: Trainer, updates: int, activities) -> tuple[object, float, 
     from torch.profiler import profile as torch_profile
 
     torch.cuda.synchronize()
-    with torch_profile(activities=activities) as prof:
+    with torch_profile(activities=activities) as prof, CollectionsInTrace():
         start = time.perf_counter()
         for _ in range(updates):
             trainer.train_update()
@@ -171,9 +195,9 @@ def idle_causes(trace: dict, updates: int, floor_ms: float = 0.05, listed: int =
     `floor_ms` ends with a kernel (or copy) that a runtime call on the host launched (matched by correlation
     id). Launched within the stretch, the GPU waited for the host: the stretch is charged to the longest runtime
     call of the launching thread between the stretch's start and the launch (a synchronization, an allocation,
-    or Python between launches when none stands out), and to that thread's outermost op around the launch.
-    Launched before the stretch, the work waited on something else (another stream, the host's copy). Totals
-    per cause, ms per update."""
+    a garbage collection marked by CollectionsInTrace, or Python between launches when none stands out), and to
+    that thread's outermost op around the launch. Launched before the stretch, the work waited on something else
+    (another stream, the host's copy). Totals per cause, ms per update."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")),
                     key=lambda e: e["ts"])
@@ -204,7 +228,7 @@ def idle_causes(trace: dict, updates: int, floor_ms: float = 0.05, listed: int =
 
                 thread = launch.get("tid")  # the thread that launched the work (the backward's is autograd's)
                 calls = [h for h in overlapping(end, launch["ts"]) if h is not launch and h.get("tid") == thread
-                         and h.get("cat") in ("cuda_runtime", "cuda_driver")]
+                         and (h.get("cat") in ("cuda_runtime", "cuda_driver") or h.get("name") == GC_LABEL)]
                 longest = max(calls, key=within, default=None)
                 if longest is not None and within(longest) >= 0.5 * (launch["ts"] - end):
                     cause = f"host in {longest['name']}"

@@ -74,6 +74,9 @@ def test_idle_stretches_are_charged_to_what_the_host_did_before_the_launch():
               host("cuda_runtime", "cudaLaunchKernel", 1060, 5, 3), kernel(1500, 100, 3),
               # k4 is launched 200 us late with nothing long on the host in between
               host("cpu_op", "forward", 1700, 300), host("cuda_runtime", "cudaLaunchKernel", 1790, 5, 4),
+              # a garbage collection holds the host 400 us before k5's launch
+              host("user_annotation", "python garbage collection", 1815, 400),
+              host("cuda_runtime", "cudaLaunchKernel", 2220, 5, 5), kernel(2230, 10, 5),
               # another thread's long call during that stretch is not what held the launch back
               host("cpu_op", "elsewhere", 1600, 400, tid=2),
               host("cuda_runtime", "cudaEventSynchronize", 1610, 180, tid=2),
@@ -84,8 +87,9 @@ def test_idle_stretches_are_charged_to_what_the_host_did_before_the_launch():
     table = {k.strip(): float(v) for k, v in table.items()}
     assert table == {"host in cudaStreamSynchronize; launched in step": 1.0,
                      "queued before the stretch: waited on another stream or a copy": 0.3,
-                     "host between launches (Python, dispatch); launched in forward": 0.2}
-    assert "3.0 per update, 1.50 ms per update" in text
+                     "host between launches (Python, dispatch); launched in forward": 0.2,
+                     "host in python garbage collection; launched in ?": 0.42}
+    assert "4.0 per update, 1.92 ms per update" in text
 
 
 def test_kernel_table_classifies_a_profile_and_accounts_for_its_busy_time():
@@ -217,3 +221,23 @@ def test_targets_are_read_both_ways_and_each_can_be_missed():
     assert peak["verdict_last_six"] == "missed" and "out of memory: teacher" in peak["last_six_text"]
     with pytest.raises(SystemExit, match="no native arm"):
         targets.evaluate(slow[1:])
+
+
+def test_garbage_collections_are_marked_in_a_profiler_trace(tmp_path):
+    import gc
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    arms = load("arms")
+    callbacks = list(gc.callbacks)
+    with profile(activities=[ProfilerActivity.CPU]) as prof, arms.CollectionsInTrace():
+        gc.collect()
+    assert gc.callbacks == callbacks  # its callback goes with the block
+    with profile(activities=[ProfilerActivity.CPU]) as unmarked:
+        gc.collect()
+    names = []
+    for p, name in ((prof, "marked"), (unmarked, "unmarked")):
+        p.export_chrome_trace(str(tmp_path / f"{name}.json"))
+        names.append({e.get("name") for e in json.loads((tmp_path / f"{name}.json").read_text())["traceEvents"]})
+    assert arms.GC_LABEL in names[0] and arms.GC_LABEL not in names[1]
