@@ -16,6 +16,7 @@ also gives each arm's own reserved memory.
 from __future__ import annotations
 
 import argparse
+import bisect
 import copy
 import gc
 import hashlib
@@ -121,22 +122,34 @@ def state_bytes_sha(model: torch.nn.Module) -> str:
     return hashlib.sha256(buf.getvalue()).hexdigest()
 
 
+DEVICE_CATEGORIES = ("kernel", "gpu_memset", "gpu_memcpy")
+
+
+def _sweep(trace: dict) -> tuple[float, list[tuple[float, dict, str]]]:
+    """The GPU's kernels, memsets and copies of a Chrome trace in time order: the union of their intervals (us)
+    and each idle stretch between them as (its start in us, the event that ends it, the name of the work before)."""
+    device = sorted((e for e in trace.get("traceEvents", []) if e.get("ph") == "X"
+                     and e.get("cat") in DEVICE_CATEGORIES), key=lambda e: e["ts"])
+    busy, end, last, idle = 0.0, float("-inf"), None, []
+    for e in device:
+        start, stop = e["ts"], e["ts"] + e.get("dur", 0)
+        if last is not None and start > end:
+            idle.append((end, e, last))
+        if stop <= end:
+            continue
+        busy += stop - max(start, end)
+        end, last = stop, e.get("name", "?")
+    return busy, idle
+
+
 def gpu_busy_ms(trace: dict, gaps: int = 0) -> tuple[float, int, list[tuple[float, str, str]]]:
     """The union of the GPU's kernel, memset and memcpy intervals in a Chrome trace, in ms, the kernel count,
     and the `gaps` longest idle stretches (ms, the work before, the work after). Measured against the update's
     wall time, the rest of the update is idle GPU."""
-    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0), e.get("name", "?")) for e in trace.get("traceEvents", [])
-                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy"))
-    busy, end, last, idle = 0.0, float("-inf"), None, []
-    for start, stop, name in spans:
-        if last is not None and start > end:
-            idle.append(((start - end) / 1e3, last, name))
-        if stop <= end:
-            continue
-        busy += stop - max(start, end)
-        end, last = stop, name
+    busy, idle = _sweep(trace)
+    stretches = [((after["ts"] - start) / 1e3, before, after.get("name", "?")) for start, after, before in idle]
     kernels = sum(1 for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") == "kernel")
-    return busy / 1e3, kernels, sorted(idle, reverse=True)[:gaps]
+    return busy / 1e3, kernels, sorted(stretches, reverse=True)[:gaps]
 
 
 GC_LABEL = "python garbage collection"
@@ -199,13 +212,10 @@ def idle_causes(trace: dict, updates: int, floor_ms: float = 0.05, listed: int =
     that thread's outermost op around the launch. Launched before the stretch, the work waited on something else
     (another stream, the host's copy). Totals per cause, ms per update."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
-    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")),
-                    key=lambda e: e["ts"])
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     host = sorted((e for e in events if e.get("cat") in HOST_CATEGORIES), key=lambda e: e["ts"])
     starts = [e["ts"] for e in host]
-    import bisect
 
     def overlapping(lo: float, hi: float) -> list[dict]:
         # host events are short next to an update; look back far enough for the outermost ones
@@ -213,34 +223,28 @@ def idle_causes(trace: dict, updates: int, floor_ms: float = 0.05, listed: int =
         return [e for e in host[first:bisect.bisect_right(starts, hi)] if e["ts"] + e.get("dur", 0) > lo]
 
     totals: dict[str, float] = {}
-    rows, end = [], None
-    for e in device:
-        stop = e["ts"] + e.get("dur", 0)
-        if end is not None and e["ts"] - end >= floor_ms * 1e3:
-            gap = (e["ts"] - end) / 1e3
-            launch = launches.get(e.get("args", {}).get("correlation"))
-            if launch is None or launch["ts"] <= end:
-                cause = "queued before the stretch: waited on another stream or a copy"
-                around = ""
-            else:
-                def within(h, lo=end, hi=launch["ts"]):  # the part of a host call inside the stretch
-                    return min(h["ts"] + h.get("dur", 0), hi) - max(h["ts"], lo)
-
-                thread = launch.get("tid")  # the thread that launched the work (the backward's is autograd's)
-                calls = [h for h in overlapping(end, launch["ts"]) if h is not launch and h.get("tid") == thread
-                         and (h.get("cat") in ("cuda_runtime", "cuda_driver") or h.get("name") == GC_LABEL)]
-                longest = max(calls, key=within, default=None)
-                if longest is not None and within(longest) >= 0.5 * (launch["ts"] - end):
-                    cause = f"host in {longest['name']}"
-                else:
-                    cause = "host between launches (Python, dispatch)"
-                outer = [h for h in overlapping(launch["ts"], launch["ts"])
-                         if h.get("tid") == thread and h.get("cat") not in ("cuda_runtime", "cuda_driver")]
-                around = min(outer, key=lambda h: h["ts"])["name"] if outer else "?"
-            key = f"{cause}; launched in {around}" if around else cause
-            totals[key] = totals.get(key, 0.0) + gap
-            rows.append((gap, e.get("name", "?"), key))
-        end = stop if end is None else max(end, stop)
+    rows = []
+    for end, e, _ in _sweep(trace)[1]:
+        gap = (e["ts"] - end) / 1e3
+        if gap < floor_ms:
+            continue
+        launch = launches.get(e.get("args", {}).get("correlation"))
+        if launch is None or launch["ts"] <= end:
+            key = "queued before the stretch: waited on another stream or a copy"
+        else:
+            lo, hi = end, launch["ts"]
+            thread = launch.get("tid")  # the thread that launched the work (the backward's is autograd's)
+            calls = [h for h in overlapping(lo, hi) if h is not launch and h.get("tid") == thread
+                     and (h.get("cat") in ("cuda_runtime", "cuda_driver") or h.get("name") == GC_LABEL)]
+            inside = {id(h): min(h["ts"] + h.get("dur", 0), hi) - max(h["ts"], lo) for h in calls}
+            longest = max(calls, key=lambda h: inside[id(h)], default=None)
+            cause = (f"host in {longest['name']}" if longest is not None and inside[id(longest)] >= 0.5 * (hi - lo)
+                     else "host between launches (Python, dispatch)")
+            outer = [h for h in overlapping(hi, hi)
+                     if h.get("tid") == thread and h.get("cat") not in ("cuda_runtime", "cuda_driver")]
+            key = f"{cause}; launched in {min(outer, key=lambda h: h['ts'])['name'] if outer else '?'}"
+        totals[key] = totals.get(key, 0.0) + gap
+        rows.append((gap, e.get("name", "?"), key))
     lines = [f"idle stretches of {floor_ms} ms or more: {len(rows) / updates:.1f} per update, "
              f"{sum(r[0] for r in rows) / updates:.2f} ms per update", "", "| cause | ms per update |", "|---|---|"]
     lines += [f"| {k[:160]} | {v / updates:.2f} |" for k, v in sorted(totals.items(), key=lambda kv: -kv[1])]
