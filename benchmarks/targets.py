@@ -56,6 +56,12 @@ def _interval(reading, digits: int) -> str:
     return f"{reading[0]:.{digits}f} ({reading[1]:.{digits}f} .. {reading[2]:.{digits}f})"
 
 
+def _row(target: Target, last_six: float | None = None, last_six_text: str = "-", per_round: float | None = None,
+         per_round_text: str = "-") -> dict:
+    return {"target": target, "last_six": last_six, "last_six_text": last_six_text, "per_round": per_round,
+            "per_round_text": per_round_text}
+
+
 def evaluate(results: list[dict]) -> list[dict]:
     """One row per target: what was measured on each reading and its verdict."""
     by_arm = {r["arm"]: r for r in results if "oom" not in r}
@@ -66,44 +72,37 @@ def evaluate(results: list[dict]) -> list[dict]:
 
     mfu = native.get("median_last6_mfu")
     later = _seconds(native)[2:]  # the rounds the per-round readings use
-    rows.append({"target": TARGETS["native"], "last_six": native["median_last6_s"],
-                 "last_six_text": f"{native['median_last6_s']:.4f} s" +
-                                  (f" (MFU {100 * mfu:.1f}%)" if mfu is not None else ""),
-                 "per_round": statistics.median(later) if later else None,
-                 "per_round_text": f"{statistics.median(later):.4f} s (median)" if later else "-"})
+    rows.append(_row(TARGETS["native"], native["median_last6_s"],
+                     f"{native['median_last6_s']:.4f} s" + (f" (MFU {100 * mfu:.1f}%)" if mfu is not None else ""),
+                     statistics.median(later) if later else None,
+                     f"{statistics.median(later):.4f} s (median)" if later else "-"))
 
     for arm in ("learned", "teacher"):
-        target = TARGETS[arm]
         if arm not in by_arm:
-            rows.append({"target": target, "last_six": None, "last_six_text": "-", "per_round": None,
-                         "per_round_text": "-"})
+            rows.append(_row(TARGETS[arm]))
             continue
         last_six = by_arm[arm]["median_last6_s"] / native["median_last6_s"]
         per_round = round_ratio(_seconds(by_arm[arm]), _seconds(native))
-        rows.append({"target": target, "last_six": last_six, "last_six_text": f"{last_six:.4f}",
-                     "per_round": None if per_round is None else per_round[0],
-                     "per_round_text": "-" if per_round is None else _interval(per_round, 4)})
+        rows.append(_row(TARGETS[arm], last_six, f"{last_six:.4f}", per_round and per_round[0],
+                         _interval(per_round, 4) if per_round else "-"))
 
-    target = TARGETS["learned_minus_zero"]
     if "learned" in by_arm and "zero" in by_arm:
         last_six = 1e3 * (by_arm["learned"]["median_last6_s"] - by_arm["zero"]["median_last6_s"])
         per_round = round_difference_ms(_seconds(by_arm["learned"]), _seconds(by_arm["zero"]))
-        rows.append({"target": target, "last_six": last_six, "last_six_text": f"{last_six:+.1f} ms",
-                     "per_round": None if per_round is None else per_round[0],
-                     "per_round_text": "-" if per_round is None else _interval(per_round, 1) + " ms"})
+        rows.append(_row(TARGETS["learned_minus_zero"], last_six, f"{last_six:+.1f} ms", per_round and per_round[0],
+                         _interval(per_round, 1) + " ms" if per_round else "-"))
     else:
-        rows.append({"target": target, "last_six": None, "last_six_text": "-", "per_round": None,
-                     "per_round_text": "-"})
+        rows.append(_row(TARGETS["learned_minus_zero"]))
 
     peaks = {name: r["peak_allocated_mib"] for name, r in by_arm.items() if r.get("peak_allocated_mib")}
     out_of_memory = [r["arm"] for r in results if "oom" in r]
     worst = max(peaks, key=peaks.get) if peaks else None
-    value = None if worst is None else (float("inf") if out_of_memory else peaks[worst])
     text = "-" if worst is None else f"{peaks[worst]:,.0f} MiB ({worst})"
     if out_of_memory:
         text += f"; out of memory: {', '.join(out_of_memory)}"
-    rows.append({"target": TARGETS["peak"], "last_six": value, "last_six_text": text, "per_round": None,
-                 "per_round_text": "-"})
+    # an arm that ran out of memory misses the peak target whatever the others held
+    rows.append(_row(TARGETS["peak"], None if worst is None else (float("inf") if out_of_memory else peaks[worst]),
+                     text))
     for row in rows:
         row["verdict_last_six"] = _verdict(row["last_six"], row["target"])
         row["verdict_per_round"] = "-" if row["per_round_text"] == "-" else _verdict(row["per_round"], row["target"])
