@@ -396,22 +396,24 @@ def record_dirs(out: Path, result: dict) -> list[Path]:
     """The arm-seed record folders of a comparison (its own, or those a merged one names)."""
     if "merged_from" in result:
         return [Path(s["record"]) for by_seed in result["runs"].values() for s in by_seed.values()]
-    return sorted(p for p in out.iterdir() if (p / "arm.json").exists())
+    return sorted(p for p in out.iterdir() if _is_record(p))
+
+
+def _is_record(folder: Path) -> bool:
+    return (folder / "arm.json").exists()
 
 
 def missing_records(folders: list[Path]) -> list[Path]:
     """The arm-seed record folders that are not there (a seed kept only as its compare.json): their numbers
     are in the comparison, their rows and eval rows are not."""
-    return [folder for folder in folders if not (folder / "arm.json").exists()]
+    return [folder for folder in folders if not _is_record(folder)]
 
 
 def load_runs(folders: list[Path]) -> dict:
     """Rows and eval rows of arm-seed record folders, by arm label and seed (for figures); missing_records are
     left out."""
     found = {}
-    for folder in folders:
-        if not (folder / "arm.json").exists():
-            continue
+    for folder in filter(_is_record, folders):
         arm = json.loads((folder / "arm.json").read_text())
         rows = read_jsonl(folder / "rows.jsonl") if (folder / "rows.jsonl").exists() else []
         evals = read_jsonl(folder / "eval.jsonl") if (folder / "eval.jsonl").exists() else []
