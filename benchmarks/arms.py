@@ -203,14 +203,9 @@ def _gaps(gaps) -> str:
 HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation", "python_function")
 
 
-def idle_causes(trace: dict, updates: int, floor_ms: float = 0.05, listed: int = 12) -> str:
-    """What the host did while the GPU idled, from a trace with host ops: each idle stretch of at least
-    `floor_ms` ends with a kernel (or copy) that a runtime call on the host launched (matched by correlation
-    id). Launched within the stretch, the GPU waited for the host: the stretch is charged to the longest runtime
-    call of the launching thread between the stretch's start and the launch (a synchronization, an allocation,
-    a garbage collection marked by CollectionsInTrace, or Python between launches when none stands out), and to
-    that thread's outermost op around the launch. Launched before the stretch, the work waited on something else
-    (another stream, the host's copy). Totals per cause, ms per update."""
+def _host_side(trace: dict):
+    """A trace's launching runtime calls by correlation id, and a function giving the host events that overlap
+    a time range [lo, hi] (us)."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
@@ -222,6 +217,47 @@ def idle_causes(trace: dict, updates: int, floor_ms: float = 0.05, listed: int =
         first = bisect.bisect_left(starts, lo - 5e5)
         return [e for e in host[first:bisect.bisect_right(starts, hi)] if e["ts"] + e.get("dur", 0) > lo]
 
+    return launches, overlapping
+
+
+def launch_origins(trace: dict, updates: int, listed: int = 40) -> str:
+    """Where the GPU's work is launched from: every kernel, memset and copy of a trace with host ops, grouped by
+    the launching thread's outermost and innermost op around its launch (an autograd node, a compiled region,
+    the optimizer's step, an eager op of the trainer), with launches and GPU ms per update, most launches first.
+    Each launch ends one kernel and starts another, so a group of many short kernels costs its kernel
+    boundaries as well as its GPU time."""
+    launches, overlapping = _host_side(trace)
+    groups: dict[tuple[str, str], list[float]] = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X" or e.get("cat") not in DEVICE_CATEGORIES:
+            continue
+        launch = launches.get(e.get("args", {}).get("correlation"))
+        around = [] if launch is None else sorted(
+            (h for h in overlapping(launch["ts"], launch["ts"]) if h.get("tid") == launch.get("tid")
+             and h.get("cat") not in ("cuda_runtime", "cuda_driver") and h["ts"] <= launch["ts"]),
+            key=lambda h: (h["ts"], -h.get("dur", 0)))
+        key = (around[0]["name"], around[-1]["name"]) if around else ("?", "?")
+        group = groups.setdefault(key, [0, 0.0])
+        group[0] += 1
+        group[1] += e.get("dur", 0) / 1e3
+    total = sum(g[0] for g in groups.values())
+    lines = [f"GPU work launched per update: {total / updates:,.1f} kernels, memsets and copies, "
+             f"in {len(groups)} groups", "", "| launched in (outermost op) | innermost op | launches per update | "
+             "GPU ms per update |", "|---|---|---|---|"]
+    lines += [f"| {outer[:90]} | {inner[:90]} | {n / updates:,.1f} | {ms / updates:.3f} |" for (outer, inner), (n, ms)
+              in sorted(groups.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))[:listed]]
+    return "\n".join(lines) + "\n"
+
+
+def idle_causes(trace: dict, updates: int, floor_ms: float = 0.05, listed: int = 12) -> str:
+    """What the host did while the GPU idled, from a trace with host ops: each idle stretch of at least
+    `floor_ms` ends with a kernel (or copy) that a runtime call on the host launched (matched by correlation
+    id). Launched within the stretch, the GPU waited for the host: the stretch is charged to the longest runtime
+    call of the launching thread between the stretch's start and the launch (a synchronization, an allocation,
+    a garbage collection marked by CollectionsInTrace, or Python between launches when none stands out), and to
+    that thread's outermost op around the launch. Launched before the stretch, the work waited on something else
+    (another stream, the host's copy). Totals per cause, ms per update."""
+    launches, overlapping = _host_side(trace)
     totals: dict[str, float] = {}
     rows = []
     for end, e, _ in _sweep(trace)[1]:
@@ -299,6 +335,7 @@ def profile(trainer: Trainer, path: Path, updates: int = 2) -> None:
     prof, _, trace = _traced(trainer, updates, [ProfilerActivity.CPU, ProfilerActivity.CUDA])
     busy, kernels, gaps = gpu_busy_ms(trace, gaps=8)
     path.with_name(path.stem + "_idle.md").write_text(idle_causes(trace, updates))
+    path.with_name(path.stem + "_launches.md").write_text(launch_origins(trace, updates))
     synchronizations(trainer, path.with_name(path.stem + "_syncs.md"))
     head = (f"GPU busy (union of kernel, memset and memcpy intervals): {busy / updates:.1f} ms per update, "
             f"{kernels / updates:,.0f} kernels per update, over {updates} profiled updates\n"

@@ -56,11 +56,26 @@ class PlainHead:
     def __init__(self, h: torch.Tensor, weight: torch.Tensor, scale: float):
         self.h, self.w, self.scale = h, weight.to(h.dtype), scale
 
-    def chunk(self, start: int, stop: int, targets: torch.Tensor, vocab_size: int, cap: float):
-        """Sum of the chunk's losses, and d(scale * sum)/dh, d(scale * sum)/dW for rows start:stop."""
+    def chunk(self, start: int, stop: int, targets: torch.Tensor, vocab_size: int, cap: float,
+              grad_h: torch.Tensor, grad_w: torch.Tensor) -> torch.Tensor:
+        """The losses of rows start:stop; writes d(scale * sum)/dh into grad_h's rows and adds d(scale * sum)/dW
+        into grad_w, each straight from its product: no copy of a chunk's result, no separate sum."""
         h = self.h[start:stop]
         loss_rows, dlogits = _rows_fn(h)(h @ self.w.t(), targets, vocab_size, cap, self.scale)
-        return loss_rows.sum(), dlogits @ self.w, dlogits.t() @ h
+        torch.mm(dlogits, self.w, out=grad_h[start:stop])
+        add_product(grad_w, dlogits.t(), h)
+        return loss_rows
+
+
+def add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b with acc as the product's addend, in acc's dtype: on CUDA bf16 operands accumulate into a
+    float32 acc inside the product (cuBLAS's float32 output); elsewhere a float32-or-wider product is added."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:  # the CPU has no mixed-dtype product
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
 def _quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +113,8 @@ class Fp8Head:
         self.w8, self.w_scale = fp8_quantize(weight)
         self.w8_t = kernels.transpose(self.w8)  # (d, Vp): W with the vocabulary contiguous, summed over in dh
 
-    def chunk(self, start: int, stop: int, targets: torch.Tensor, vocab_size: int, cap: float):
+    def chunk(self, start: int, stop: int, targets: torch.Tensor, vocab_size: int, cap: float,
+              grad_h: torch.Tensor, grad_w: torch.Tensor) -> torch.Tensor:
         """PlainHead.chunk through FP8 products with float32 accumulation (W quantized from its own dtype)."""
         h8 = self.h8[start:stop]
         logits = torch._scaled_mm(h8, self.w8.t(), scale_a=self.h_scale, scale_b=self.w_scale,
@@ -108,7 +124,9 @@ class Fp8Head:
                               out_dtype=self.out_dtype)
         gw = torch._scaled_mm(kernels.transpose(g8), self.h8_t[:, start:stop].t(), scale_a=self.g_scale,
                               scale_b=self.h_scale, out_dtype=torch.float32)
-        return loss_rows.sum(), gh, gw
+        grad_h[start:stop] = gh
+        grad_w += gw
+        return loss_rows
 
 
 @torch.library.custom_op("creditlab::fused_head_loss", mutates_args=())
@@ -125,14 +143,10 @@ def fused_head_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
     grad_h = torch.empty_like(h)
     acc = torch.promote_types(h.dtype, torch.float32)
     grad_w = torch.zeros(weight.shape, dtype=acc, device=h.device)
-    total = torch.zeros((), dtype=acc, device=h.device)
-    for start in range(0, n_targets, chunk):
-        stop = min(start + chunk, n_targets)
-        loss_sum, gh, gw = head.chunk(start, stop, targets[start:stop], vocab_size, cap)
-        total += loss_sum
-        grad_h[start:stop] = gh
-        grad_w += gw.to(acc)
-    return total / n_targets, grad_h, grad_w
+    rows = [head.chunk(start, min(start + chunk, n_targets), targets[start:start + chunk], vocab_size, cap,
+                       grad_h, grad_w) for start in range(0, n_targets, chunk)]
+    # one sum at the end, not two small kernels a chunk
+    return torch.cat(rows).to(acc).sum() / n_targets, grad_h, grad_w
 
 
 @fused_head_loss.register_fake

@@ -92,6 +92,33 @@ def test_idle_stretches_are_charged_to_what_the_host_did_before_the_launch():
     assert "4.0 per update, 1.92 ms per update" in text
 
 
+def test_launches_are_grouped_by_the_ops_around_them_on_the_launching_thread():
+    arms = load("arms")
+
+    def host(cat, name, ts, dur, corr=None, tid=1):
+        return {"ph": "X", "cat": cat, "ts": ts, "dur": dur, "name": name, "tid": tid,
+                **({"args": {"correlation": corr}} if corr is not None else {})}
+
+    def device(cat, ts, dur, corr):
+        return {"ph": "X", "cat": cat, "ts": ts, "dur": dur, "name": f"k{corr}", "args": {"correlation": corr}}
+
+    events = [host("user_annotation", "AccumulateGrad", 0, 100, tid=2), host("cpu_op", "aten::add_", 10, 20, tid=2),
+              host("cuda_runtime", "cudaLaunchKernel", 12, 2, 1, tid=2), device("kernel", 20, 500, 1),
+              host("cpu_op", "aten::add_", 40, 20, tid=2), host("cuda_runtime", "cudaLaunchKernel", 42, 2, 2, tid=2),
+              device("kernel", 520, 1500, 2),
+              # the main thread's compiled region is open meanwhile, but it did not launch these
+              host("cpu_op", "Compiled Region", 0, 300), host("cuda_runtime", "cudaLaunchKernel", 200, 2, 3),
+              device("gpu_memset", 2100, 1000, 3),
+              host("cuda_runtime", "cudaMemcpyAsync", 400, 2, 4), device("gpu_memcpy", 3200, 1000, 4),
+              host("cpu_op", "not a device event", 0, 1), {"ph": "X", "cat": "kernel", "ts": 5000, "dur": 500}]
+    text = arms.launch_origins({"traceEvents": events}, updates=2)
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()[4:]]
+    # the copy's launch lies outside every op of its thread; the last kernel has no launch in the trace
+    assert rows == [["AccumulateGrad", "aten::add_", "1.0", "1.000"], ["?", "?", "1.0", "0.750"],
+                    ["Compiled Region", "Compiled Region", "0.5", "0.500"]]
+    assert text.startswith("GPU work launched per update: 2.5 kernels, memsets and copies, in 3 groups")
+
+
 def test_kernel_table_classifies_a_profile_and_accounts_for_its_busy_time():
     kernel_table = load("kernel_table")
     profile = Path(__file__).resolve().parents[1] / "benchmarks/results/profile_native_fused_mlp_seed.txt"
@@ -112,7 +139,7 @@ def test_paired_differences_are_taken_round_by_round():
     assert arms.paired_ms(arm[:-1], base) is None  # not the same rounds
 
 
-@pytest.mark.parametrize("script", ["arms", "softcap_ce", "qk_norm", "relu2_mlp", "fit_rows", "fp8_head"])
+@pytest.mark.parametrize("script", ["arms", "softcap_ce", "qk_norm", "relu2_mlp", "fit_rows", "fp8_head", "head_loss"])
 def test_gpu_benchmarks_refuse_a_machine_without_cuda(script, tmp_path, monkeypatch, capsys):
     """Exit 2 with one line, and no output folder made, where no CUDA GPU is visible."""
     import sys

@@ -168,3 +168,29 @@ def test_fp8_quantize_uses_the_whole_range_and_never_overflows():
     q, s = fp8_quantize(x)
     assert q.dtype == HEAD_INPUT_FP8 and q.float().abs().max().item() == torch.finfo(HEAD_INPUT_FP8).max
     assert rel_err(q.float() * s, x) < 0.05 and torch.isfinite(q.float()).all()
+
+
+def test_a_product_is_added_into_its_accumulator_in_the_accumulators_dtype():
+    from creditlab.loss import add_product
+
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(7, 5, generator=g, dtype=torch.float64), torch.randn(5, 4, generator=g, dtype=torch.float64)
+    acc = torch.randn(7, 4, generator=g, dtype=torch.float64)
+    want = acc + a @ b
+    add_product(acc, a, b)
+    assert torch.allclose(acc, want, rtol=1e-14, atol=1e-14)
+    # bf16 operands into a float32 accumulator: the operands' exact product, rounded once to float32
+    a16, b16, acc32 = a.bfloat16(), b.bfloat16(), torch.zeros(7, 4)
+    add_product(acc32, a16, b16)
+    add_product(acc32, a16, b16)
+    assert acc32.dtype == torch.float32
+    assert torch.allclose(acc32.double(), 2 * a16.double() @ b16.double(), rtol=1e-6, atol=1e-6)
+
+
+def test_bf16_hidden_states_accumulate_the_weights_gradient_in_float32():
+    h, w, t = problem(N, D, V, PAD, scale=2.0, seed=16)
+    h16, w32 = h.detach().bfloat16().requires_grad_(), w.detach().float().requires_grad_()
+    gh, gw = torch.autograd.grad(head_loss(h16, w32, t, V, 15.0, 5), [h16, w32])
+    assert gh.dtype == torch.bfloat16 and gw.dtype == torch.float32
+    rh, rw = torch.autograd.grad(reference_head_loss(h16.double(), w32.bfloat16().double(), t, V, 15.0), [h16, w32])
+    assert rel_err(gh.double(), rh) <= 2e-2 and rel_err(gw.double(), rw) <= 2e-2
