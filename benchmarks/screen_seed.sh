@@ -9,7 +9,8 @@ mkdir -p "$out"
 runs=$(mktemp -d)
 cli="python3 -m creditlab.cli"
 common=(--preset seed --set data.source=shards --set "data.dir=$data" --set "train.out_dir=$runs")
-adm=$($cli admit "${common[@]}" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["admission"])')
+admitted=$($cli admit "${common[@]}" --json) || { echo "no admission made (see above); nothing screened" >&2; exit 2; }
+adm=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["admission"])' "$admitted")
 echo "admission $adm"
 $cli screen --admission "$adm" --out-dir "$runs" 2>&1 | tee "$out/screen_admitted.log" | grep -vE "^ *(native|synthetic) \| update"
 if [ "${SCREENS:-all}" != admitted ]; then
