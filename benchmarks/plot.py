@@ -39,7 +39,7 @@ def plot_arms(arms_json: Path, out: Path, name: str, note: str) -> Path:
     ax1.barh(names, ratios, color="#4c72b0")
     ax1.axvline(0.9066667, color="#c44e52", ls="--", label="screen gate 0.9067")
     ax1.axvline(1.0, color="grey", lw=0.8)
-    ax1.axvline(1.10, color="#dd8452", ls=":", label="teacher gate 1.10")
+    ax1.axvline(1.07, color="#dd8452", ls=":", label="teacher target 1.07")
     if any("cycle_s" in r for r in results):
         ax1.axvline(0.93, color="#937860", ls="-.", label="cycle gate 0.93")
     # Where the rounds pair the arms' updates (interleaved): each arm's ratio per round, with its interval.
@@ -253,6 +253,9 @@ ARMS_FIGURES = [
     ("arms_grouped_muon_second_seed.json", "arms_grouped_muon_rows_seed.png", None),
     ("arms_fp8_head_seed.json", "arms_fp8_head_seed.png", "the head's products on FP8 tensor cores, native and learned"),
     ("arms_fp8_head_first_seed.json", "arms_fp8_head_first_seed.png", "the same, the first version (eager quantization)"),
+    ("arms_before_head_seed.json", "arms_before_head_seed.png", "credit arms, before the head loss wrote its products in place"),
+    ("arms_head_seed.json", "arms_head_seed.png", "credit arms, the head loss's products written and added in place"),
+    ("arms_head_second_seed.json", "arms_head_second_seed.png", "the same tree, a second process"),
 ]
 
 
