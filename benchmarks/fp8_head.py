@@ -54,8 +54,10 @@ def errors(got, want):
             "grad_w": largest_relative_error(got[2], want[2])}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def head_problem(description: str):
+    """A head-loss benchmark's command line and its seed-shape problem on the GPU: (output folder, N, d, V, padded
+    V, chunk, h, W, targets), or None after saying so where no CUDA GPU is visible."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", type=int, default=64 * 2048)
     ap.add_argument("--width", type=int, default=512)
@@ -64,21 +66,35 @@ def main() -> int:
     args = ap.parse_args()
     out = gpu_benchmark_folder(args.out)
     if out is None:
-        return 2
+        return None
     N, d, V, chunk = args.tokens, args.width, args.vocab, args.chunk
     Vp = (V + 63) // 64 * 64
     torch.manual_seed(0)
     h = torch.nn.functional.rms_norm(torch.randn(N, d, device="cuda"), (d,)).bfloat16()  # the head reads norm(x)
     w = torch.randn(Vp, d, device="cuda") * 0.02  # a trained head's scale: logits of a few units
     targets = torch.randint(0, V, (N,), device="cuda")
-    paths = {"bf16": False, "fp8": True}
-    run = {name: (lambda fp8=fp8: fused_head_loss(h, w, targets, V, CAP, chunk, fp8)) for name, fp8 in paths.items()}
+    return out, N, d, V, Vp, chunk, h, w, targets
+
+
+def alternated_rounds(run: dict, rounds: int = 10) -> dict[str, list[float]]:
+    """Each callable's milliseconds (five calls a round), the order of the paths reversed every other round."""
     for fn in run.values():
         fn()
-    rounds = {name: [] for name in paths}
-    for r in range(10):
-        for name in (list(paths) if r % 2 == 0 else list(paths)[::-1]):
-            rounds[name].append(cuda_ms(run[name], repeats=5, warmup=1))
+    times = {name: [] for name in run}
+    for r in range(rounds):
+        for name in (list(run) if r % 2 == 0 else list(run)[::-1]):
+            times[name].append(cuda_ms(run[name], repeats=5, warmup=1))
+    return times
+
+
+def main() -> int:
+    problem = head_problem(__doc__.splitlines()[0])
+    if problem is None:
+        return 2
+    out, N, d, V, Vp, chunk, h, w, targets = problem
+    paths = {"bf16": False, "fp8": True}
+    rounds = alternated_rounds({name: (lambda fp8=fp8: fused_head_loss(h, w, targets, V, CAP, chunk, fp8))
+                                for name, fp8 in paths.items()})
     ratios = [f / b for f, b in zip(rounds["fp8"], rounds["bf16"])]
     times = {name: statistics.median(ms) for name, ms in rounds.items()}
 

@@ -12,7 +12,6 @@ alternately, ten rounds of five calls each. Writes DIR/head_loss.json and DIR/he
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -22,11 +21,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fp8_head import CAP, errors, reference  # noqa: E402
+from fp8_head import CAP, alternated_rounds, errors, head_problem, reference  # noqa: E402
 
 from creditlab import kernels  # noqa: E402
 from creditlab.loss import fused_head_loss  # noqa: E402
-from creditlab.runtime import cuda_ms, gpu_benchmark_folder, write_benchmark  # noqa: E402
+from creditlab.runtime import write_benchmark  # noqa: E402
 
 
 def earlier_loop(h, weight, targets, vocab, chunk):
@@ -57,30 +56,13 @@ def launches(fn) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--tokens", type=int, default=64 * 2048)
-    ap.add_argument("--width", type=int, default=512)
-    ap.add_argument("--vocab", type=int, default=12_289)
-    ap.add_argument("--chunk", type=int, default=8_192)
-    args = ap.parse_args()
-    out = gpu_benchmark_folder(args.out)
-    if out is None:
+    problem = head_problem(__doc__.splitlines()[0])
+    if problem is None:
         return 2
-    N, d, V, chunk = args.tokens, args.width, args.vocab, args.chunk
-    Vp = (V + 63) // 64 * 64
-    torch.manual_seed(0)
-    h = torch.nn.functional.rms_norm(torch.randn(N, d, device="cuda"), (d,)).bfloat16()  # the head reads norm(x)
-    w = torch.randn(Vp, d, device="cuda") * 0.02  # a trained head's scale: logits of a few units
-    targets = torch.randint(0, V, (N,), device="cuda")
+    out, N, d, V, Vp, chunk, h, w, targets = problem
     run = {"as it is": lambda: fused_head_loss(h, w, targets, V, CAP, chunk),
            "before": lambda: earlier_loop(h, w, targets, V, chunk)}
-    for fn in run.values():
-        fn()
-    rounds = {name: [] for name in run}
-    for r in range(10):
-        for name in (list(run) if r % 2 == 0 else list(run)[::-1]):
-            rounds[name].append(cuda_ms(run[name], repeats=5, warmup=1))
+    rounds = alternated_rounds(run)
     differences = [a - b for a, b in zip(rounds["as it is"], rounds["before"])]
     times = {name: statistics.median(ms) for name, ms in rounds.items()}
     counts = {name: launches(fn) for name, fn in run.items()}
