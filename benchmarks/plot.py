@@ -259,6 +259,30 @@ ARMS_FIGURES = [
 ]
 
 
+def plot_head_loss(results: list[Path], out: Path, name: str) -> Path:
+    """One micro-batch's head loss, the loop as it is against the loop it replaced, in each process: the
+    median ms of each, and each round's difference."""
+    data = [json.loads(r.read_text()) for r in results]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.6))
+    x = range(len(data))
+    for offset, loop, color in ((-0.2, "before", "#999999"), (0.2, "as it is", "#4c72b0")):
+        values = [d["ms_per_micro_batch"][loop] for d in data]
+        bars = ax1.bar([i + offset for i in x], values, width=0.4, color=color,
+                       label=f"{loop} ({data[0]['launches_per_micro_batch'][loop]} launches)")
+        for bar, v in zip(bars, values):
+            ax1.annotate(f"{v:.2f}", (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=8)
+    ax1.set_xticks(list(x), [f"process {i + 1}" for i in x])
+    ax1.set(ylabel="ms per micro-batch (median of 10 rounds)", title="bf16 head loss, 131,072 tokens")
+    ax1.legend(fontsize=8, loc="lower right")
+    for i, d in enumerate(data):
+        diffs = d["as_it_is_minus_before_per_round_ms"]
+        ax2.plot([i + 1] * len(diffs), diffs, "o", color="#4c72b0", alpha=0.6)
+    ax2.axhline(0, color="grey", lw=0.8)
+    ax2.set_xticks([i + 1 for i in x], [f"process {i + 1}" for i in x])
+    ax2.set(ylabel="as it is - before, ms", title="each alternated round")
+    return _save(fig, out / name)
+
+
 def step_lines(log: Path) -> list[dict]:
     """Rank 0's step lines of a `creditlab train` log as rows: update, kind, seconds."""
     rows = []
@@ -317,6 +341,8 @@ def main() -> None:
     print(plot_ddp(results / "ddp_seed.json", out, "ddp_seed.png",
                    {"ddp_learned": results / "ddp_seed_learned.log"}))
     print(plot_screens(HERE / "screen_records", out))
+    print(plot_head_loss([results / f"head_loss{n}_seed.json" for n in ("", "_second", "_third")], out,
+                         "head_loss_seed.png"))
     print(plot_kernel_bandwidth(results / "kernel_bandwidth_seed.json", out, "kernel_bandwidth_seed.png"))
     print(plot_kernel_classes({"native, before the fused modules": results / "profile_native_busy_seed.txt",
                                "native now": results / "profile_native_final_busy_seed.txt",
