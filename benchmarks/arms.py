@@ -176,14 +176,15 @@ class CollectionsInTrace:
         gc.callbacks.remove(self._event)
 
 
-def _traced(trainer: Trainer, updates: int, activities) -> tuple[object, float, dict]:
-    """`updates` more updates under torch.profiler: the profiler, their wall seconds, and the Chrome trace."""
+def _traced(trainer: Trainer, updates: int, activities, shapes: bool = False) -> tuple[object, float, dict]:
+    """`updates` more updates under torch.profiler: the profiler, their wall seconds, and the Chrome trace
+    (with each op's input shapes when `shapes`)."""
     import tempfile
 
     from torch.profiler import profile as torch_profile
 
     torch.cuda.synchronize()
-    with torch_profile(activities=activities) as prof, CollectionsInTrace():
+    with torch_profile(activities=activities, record_shapes=shapes) as prof, CollectionsInTrace():
         start = time.perf_counter()
         for _ in range(updates):
             trainer.train_update()
@@ -220,14 +221,10 @@ def _host_side(trace: dict):
     return launches, overlapping
 
 
-def launch_origins(trace: dict, updates: int, listed: int = 40) -> str:
-    """Where the GPU's work is launched from: every kernel, memset and copy of a trace with host ops, grouped by
-    the launching thread's outermost and innermost op around its launch (an autograd node, a compiled region,
-    the optimizer's step, an eager op of the trainer), with launches and GPU ms per update, most launches first.
-    Each launch ends one kernel and starts another, so a group of many short kernels costs its kernel
-    boundaries as well as its GPU time."""
+def _launched_in(trace: dict):
+    """Each kernel, memset and copy of a trace with host ops, with the host ops of the launching thread open
+    at its launch, outermost first (empty when its launch is not in the trace or lies outside every op)."""
     launches, overlapping = _host_side(trace)
-    groups: dict[tuple[str, str], list[float]] = {}
     for e in trace.get("traceEvents", []):
         if e.get("ph") != "X" or e.get("cat") not in DEVICE_CATEGORIES:
             continue
@@ -236,6 +233,17 @@ def launch_origins(trace: dict, updates: int, listed: int = 40) -> str:
             (h for h in overlapping(launch["ts"], launch["ts"]) if h.get("tid") == launch.get("tid")
              and h.get("cat") not in ("cuda_runtime", "cuda_driver") and h["ts"] <= launch["ts"]),
             key=lambda h: (h["ts"], -h.get("dur", 0)))
+        yield e, around
+
+
+def launch_origins(trace: dict, updates: int, listed: int = 40) -> str:
+    """Where the GPU's work is launched from: every kernel, memset and copy of a trace with host ops, grouped by
+    the launching thread's outermost and innermost op around its launch (an autograd node, a compiled region,
+    the optimizer's step, an eager op of the trainer), with launches and GPU ms per update, most launches first.
+    Each launch ends one kernel and starts another, so a group of many short kernels costs its kernel
+    boundaries as well as its GPU time."""
+    groups: dict[tuple[str, str], list[float]] = {}
+    for e, around in _launched_in(trace):
         key = (around[0]["name"], around[-1]["name"]) if around else ("?", "?")
         group = groups.setdefault(key, [0, 0.0])
         group[0] += 1
@@ -247,6 +255,62 @@ def launch_origins(trace: dict, updates: int, listed: int = 40) -> str:
     lines += [f"| {outer[:90]} | {inner[:90]} | {n / updates:,.1f} | {ms / updates:.3f} |" for (outer, inner), (n, ms)
               in sorted(groups.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))[:listed]]
     return "\n".join(lines) + "\n"
+
+
+def _product_flop(op: str, dims: list) -> float | None:
+    """2 M K N of one product from its op's recorded input shapes, None for an op or shape it does not know."""
+    shapes = [d for d in dims if isinstance(d, list)]
+    try:
+        if op in ("aten::mm", "aten::_scaled_mm"):
+            (m, k), (_, n) = shapes[0], shapes[1]
+        elif op == "aten::addmm":
+            (m, k), (_, n) = shapes[1], shapes[2]
+        elif op == "aten::bmm":
+            (b, m, k), (_, _, n) = shapes[0], shapes[1]
+            return 2.0 * b * m * k * n
+        elif op == "creditlab::relu2_linear":  # x (M, K), w (N, K)
+            (m, k), (n, _) = shapes[0], shapes[1]
+        elif op == "creditlab::relu2_dgrad":  # dy (M, K), w (K, N)
+            (m, k), (_, n) = shapes[0], shapes[1]
+        else:
+            return None
+    except (IndexError, TypeError, ValueError):
+        return None
+    return 2.0 * m * k * n
+
+
+PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_mm", "creditlab::relu2_linear",
+               "creditlab::relu2_dgrad")
+
+
+def product_shapes(trace: dict, updates: int) -> str:
+    """Every product of a trace recorded with shapes, grouped by its op and its operands' shapes: op calls and
+    GPU ms per update, the kernels they ran (most time first) and the rate, 2 M K N per call over those kernels'
+    time, most time first. The rate says which of the step's products sit below what the card's tensor cores
+    give."""
+    groups: dict[tuple[str, str], dict] = {}
+    for e, around in _launched_in(trace):
+        op = next((h for h in reversed(around) if h["name"] in PRODUCT_OPS), None)
+        if op is None:
+            continue
+        dims = op.get("args", {}).get("Input Dims", [])
+        key = (op["name"], " x ".join(str(tuple(d)) for d in dims if isinstance(d, list) and d))
+        group = groups.setdefault(key, {"flop": _product_flop(op["name"], dims), "calls": set(), "kernels": {}})
+        group["calls"].add(id(op))
+        name = e.get("name", "?")
+        group["kernels"][name] = group["kernels"].get(name, 0.0) + e.get("dur", 0) / 1e3
+    lines = ["| op | operand shapes | calls per update | GPU ms per update | us per call | TFLOP/s | kernels |",
+             "|---|---|---|---|---|---|---|"]
+    total = 0.0
+    for (op, shapes), g in sorted(groups.items(), key=lambda kv: -sum(kv[1]["kernels"].values())):
+        ms, calls = sum(g["kernels"].values()), len(g["calls"])
+        total += ms
+        rate = f"{g['flop'] * calls / (ms * 1e9):.0f}" if g["flop"] and ms else "-"
+        kernels = "; ".join(f"{k[:60]} {v / updates:.2f}" for k, v in sorted(g["kernels"].items(), key=lambda kv: -kv[1]))
+        lines.append(f"| {op} | {shapes} | {calls / updates:,.1f} | {ms / updates:.3f} | {ms * 1e3 / calls:.1f} | "
+                     f"{rate} | {kernels} |")
+    head = [f"Products: {total / updates:.1f} GPU ms per update in {len(groups)} (op, shapes) groups", ""]
+    return "\n".join(head + lines) + "\n"
 
 
 def idle_causes(trace: dict, updates: int, floor_ms: float = 0.05, listed: int = 12) -> str:
@@ -332,10 +396,11 @@ def profile(trainer: Trainer, path: Path, updates: int = 2) -> None:
 
     _, wall, trace = _traced(trainer, updates, [ProfilerActivity.CUDA])
     gpu_busy, _, gpu_gaps = gpu_busy_ms(trace, gaps=6)
-    prof, _, trace = _traced(trainer, updates, [ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    prof, _, trace = _traced(trainer, updates, [ProfilerActivity.CPU, ProfilerActivity.CUDA], shapes=True)
     busy, kernels, gaps = gpu_busy_ms(trace, gaps=8)
     path.with_name(path.stem + "_idle.md").write_text(idle_causes(trace, updates))
     path.with_name(path.stem + "_launches.md").write_text(launch_origins(trace, updates))
+    path.with_name(path.stem + "_products.md").write_text(product_shapes(trace, updates))
     synchronizations(trainer, path.with_name(path.stem + "_syncs.md"))
     head = (f"GPU busy (union of kernel, memset and memcpy intervals): {busy / updates:.1f} ms per update, "
             f"{kernels / updates:,.0f} kernels per update, over {updates} profiled updates\n"

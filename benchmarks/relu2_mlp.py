@@ -9,6 +9,8 @@ Writes DIR/relu2_mlp.json and DIR/relu2_mlp.md. Any CUDA machine with Triton.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import statistics
 import sys
 from pathlib import Path
 
@@ -17,16 +19,26 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fp8_head import alternated_rounds  # noqa: E402
+
 from creditlab import relu2  # noqa: E402
 from creditlab.kernels import relu2_matmul as rm  # noqa: E402
 from creditlab.runtime import cuda_ms, gpu_benchmark_folder, largest_relative_error, write_benchmark  # noqa: E402
 
 # The 128 x 256 x 64 tile with the epilogue in two halves is the only one whose derivative epilogue fits the
-# shared memory at three stages (results/relu2_mlp_configs_seed.md has the others).
-CONFIGS = [rm.TileConfig(),
-           rm.TileConfig(group_m=16),
-           rm.TileConfig(block_n=128, stages=4, warps=4, subtiles=1)]
-
+# shared memory at three stages with its post tile read after the K loop (results/relu2_mlp_configs_seed.md has
+# the others); read before it with plain loads (prefetch), or with two programs to a multiprocessor, smaller
+# tiles fit, and the derivative epilogue's read of post can overlap products.
+CONFIGS = [rm.TileConfig(group_m=16),
+           rm.TileConfig(group_m=16, prefetch=True),
+           rm.TileConfig(block_n=128, group_m=16, stages=4, warps=8, subtiles=1, prefetch=True),
+           rm.TileConfig(block_n=128, group_m=16, stages=4, warps=4, subtiles=1, prefetch=True),
+           rm.TileConfig(block_n=128, group_m=16, stages=2, warps=8, subtiles=2, programs_per_sm=2),
+           rm.TileConfig(block_n=128, group_m=16, stages=2, warps=8, subtiles=2, programs_per_sm=2, prefetch=True),
+           rm.TileConfig(block_n=128, group_m=16, stages=2, warps=4, subtiles=2, programs_per_sm=2, prefetch=True),
+           rm.TileConfig(block_m=64, block_n=256, group_m=16, stages=2, warps=4, subtiles=2, programs_per_sm=2),
+           rm.TileConfig(block_m=64, block_n=256, group_m=16, stages=2, warps=4, subtiles=2, programs_per_sm=2,
+                         prefetch=True)]
 
 
 def main() -> int:
@@ -58,11 +70,16 @@ def main() -> int:
 
     h = F.linear(x, w_fc)
     post = plain_forward(x, w_fc)
+    # bf16 error of each path against float64 arithmetic on the same bf16 inputs (a slice of rows).
+    s = slice(0, 8192)
+    h64 = x[s].double() @ w_fc.double().t()
+    post64 = torch.relu(h64) ** 2
+    dh64 = (dy[s].double() @ w_proj.double()) * 2 * torch.relu(h64)
     rows = []
 
-    def record(op, impl, ms, cfg=None):
+    def record(op, impl, ms, cfg=None, error=None):
         rows.append({"op": op, "impl": impl, "config": None if cfg is None else cfg.__dict__, "ms": ms,
-                     "TFLOP_per_s": flop / ms / 1e9})
+                     "TFLOP_per_s": flop / ms / 1e9, "bf16_rel_err": error})
 
     record("expand", "cuBLAS product only", cuda_ms(lambda: F.linear(x, w_fc)))
     record("expand", "cuBLAS + compiled ReLU^2 pass", cuda_ms(lambda: plain_forward(x, w_fc)))
@@ -71,18 +88,32 @@ def main() -> int:
     for cfg in CONFIGS:
         try:
             record("expand", "kernel, no epilogue", cuda_ms(lambda: rm.matmul(x, w_fc, False, cfg)), cfg)
-            record("expand", "kernel + ReLU^2 epilogue", cuda_ms(lambda: rm.relu2_linear(x, w_fc, cfg)), cfg)
+            record("expand", "kernel + ReLU^2 epilogue", cuda_ms(lambda: rm.relu2_linear(x, w_fc, cfg)), cfg,
+                   largest_relative_error(rm.relu2_linear(x, w_fc, cfg)[s], post64))
             record("dgrad", "kernel, no epilogue", cuda_ms(lambda: rm.matmul(dy, w_proj, True, cfg)), cfg)
             record("dgrad", "kernel + derivative epilogue",
-                   cuda_ms(lambda: rm.relu2_dgrad(dy, w_proj, post, cfg)), cfg)
+                   cuda_ms(lambda: rm.relu2_dgrad(dy, w_proj, post, cfg)), cfg,
+                   largest_relative_error(rm.relu2_dgrad(dy, w_proj, post, cfg)[s], dh64))
         except Exception as exc:  # a configuration that does not fit the chip's shared memory, say
             rows.append({"op": "both", "impl": "failed", "config": cfg.__dict__, "error": str(exc)[:300]})
 
-    # bf16 error of each path against float64 arithmetic on the same bf16 inputs (a slice of rows).
-    s = slice(0, 8192)
-    h64 = x[s].double() @ w_fc.double().t()
-    post64 = torch.relu(h64) ** 2
-    dh64 = (dy[s].double() @ w_proj.double()) * 2 * torch.relu(h64)
+    # The fastest configuration of each epilogue against the default, in alternated rounds (one process, the
+    # order reversed every other round), since one sweep's timings drift with the card's clock.
+    side_by_side = {}
+    for op, impl, default, call in (
+            ("expand", "kernel + ReLU^2 epilogue", rm.EXPAND_TILES, lambda c: rm.relu2_linear(x, w_fc, c)),
+            ("dgrad", "kernel + derivative epilogue", rm.DGRAD_TILES, lambda c: rm.relu2_dgrad(dy, w_proj, post, c))):
+        timed = [r for r in rows if r["op"] == op and r["impl"] == impl]
+        best = rm.TileConfig(**min(timed, key=lambda r: r["ms"])["config"])
+        if best == default:
+            continue
+        rounds = alternated_rounds({"default": lambda c=default: call(c), "best": lambda c=best: call(c)})
+        per_round = [b / d for b, d in zip(rounds["best"], rounds["default"])]
+        side_by_side[op] = {"default": default.__dict__, "best": best.__dict__, "rounds_ms": rounds,
+                            "median_ms": {k: statistics.median(v) for k, v in rounds.items()},
+                            "best_over_default_per_round": statistics.median(per_round),
+                            "range": [min(per_round), max(per_round)]}
+
     errors = {
         "expand_plain": largest_relative_error(plain_forward(x[s], w_fc), post64),
         "expand_kernel": largest_relative_error(rm.relu2_linear(x[s], w_fc), post64),
@@ -110,17 +141,25 @@ def main() -> int:
             y.backward(g)
         whole[name] = cuda_ms(step)
     result = {"shape": {"tokens": M, "width": d, "hidden": m}, "rows": rows, "bf16_rel_err": errors,
+              "side_by_side": side_by_side,
               "mlp_fwd_bwd_ms": whole, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     lines = [f"# Fused MLP kernels, {M} tokens x {d} -> {m} (bf16, {result['device']}, torch {torch.__version__})",
-             "", "| op | implementation | config (BM, BN, BK, group, stages, warps, subtiles) | ms | TFLOP/s |",
-             "|---|---|---|---|---|"]
+             "", f"| op | implementation | config ({', '.join(f.name for f in dataclasses.fields(rm.TileConfig))}) "
+                 "| ms | TFLOP/s | bf16 error |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         c = r["config"]
         cfg = "" if c is None else ", ".join(str(v) for v in c.values())
         if r["impl"] == "failed":
-            lines.append(f"| {r['op']} | failed | {cfg} | {r['error']} | |")
+            lines.append(f"| {r['op']} | failed | {cfg} | {r['error']} | | |")
         else:
-            lines.append(f"| {r['op']} | {r['impl']} | {cfg} | {r['ms']:.4f} | {r['TFLOP_per_s']:.0f} |")
+            err = "" if r["bf16_rel_err"] is None else f"{r['bf16_rel_err']:.2e}"
+            lines.append(f"| {r['op']} | {r['impl']} | {cfg} | {r['ms']:.4f} | {r['TFLOP_per_s']:.0f} | {err} |")
+    for op, r in side_by_side.items():
+        lines += ["", f"{op}, fastest configuration ({', '.join(str(v) for v in r['best'].values())}) against the "
+                      f"default ({', '.join(str(v) for v in r['default'].values())}), ten alternated rounds: "
+                      f"{r['median_ms']['best']:.4f} against {r['median_ms']['default']:.4f} ms, per round "
+                      f"{r['best_over_default_per_round']:.4f} ({r['range'][0]:.4f} .. {r['range'][1]:.4f})"]
     lines += ["", "bf16 max error relative to the float64 result's largest entry:", ""]
     lines += [f"- {k}: {v:.2e}" for k, v in errors.items()]
     lines += ["", f"Whole MLP forward + backward (compiled, autocast): plain {whole['plain']:.3f} ms, "

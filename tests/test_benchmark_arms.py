@@ -119,6 +119,45 @@ def test_launches_are_grouped_by_the_ops_around_them_on_the_launching_thread():
     assert text.startswith("GPU work launched per update: 2.5 kernels, memsets and copies, in 3 groups")
 
 
+def test_products_are_grouped_by_op_and_shapes_with_their_rate():
+    arms = load("arms")
+
+    def op(name, ts, dur, dims):
+        return {"ph": "X", "cat": "cpu_op", "ts": ts, "dur": dur, "name": name, "tid": 1,
+                "args": {"Input Dims": dims}}
+
+    def launch(ts, corr):
+        return {"ph": "X", "cat": "cuda_runtime", "ts": ts, "dur": 1, "name": "cudaLaunchKernel", "tid": 1,
+                "args": {"correlation": corr}}
+
+    def kernel(name, ts, dur, corr):
+        return {"ph": "X", "cat": "kernel", "ts": ts, "dur": dur, "name": name, "args": {"correlation": corr}}
+
+    m, k, n = 1024, 512, 2048
+    flop = 2 * m * k * n
+    events = [
+        # two calls of one product, the second with a split-K reduction after its main kernel
+        op("aten::mm", 0, 10, [[m, k], [k, n]]), launch(2, 1), kernel("gemm", 100, 2, 1),
+        op("aten::mm", 20, 10, [[m, k], [k, n]]), launch(22, 2), kernel("gemm", 200, 2, 2), launch(25, 3),
+        kernel("reduce", 210, 1, 3),
+        # an addmm: its accumulator's shape comes first; a product inside an autograd node of the same thread
+        {"ph": "X", "cat": "cpu_op", "ts": 40, "dur": 30, "name": "MmBackward0", "tid": 1},
+        op("aten::addmm", 45, 10, [[n], [m, k], [k, n]]), launch(47, 4), kernel("gemm_bias", 300, 4, 4),
+        # not a product
+        op("aten::add_", 80, 5, [[m, n], [m, n], []]), launch(82, 5), kernel("add", 400, 9, 5),
+    ]
+    text = arms.product_shapes({"traceEvents": events}, updates=1)
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()[4:]]
+    assert [r[:6] for r in rows] == [
+        ["aten::mm", f"({m}, {k}) x ({k}, {n})", "2.0", "0.005", "2.5", f"{2 * flop / 5e-6 / 1e12:.0f}"],
+        ["aten::addmm", f"({n},) x ({m}, {k}) x ({k}, {n})", "1.0", "0.004", "4.0", f"{flop / 4e-6 / 1e12:.0f}"]]
+    assert rows[0][6] == "gemm 0.00; reduce 0.00"
+    assert text.startswith("Products: 0.0 GPU ms per update in 2 (op, shapes) groups")
+    assert arms._product_flop("creditlab::relu2_dgrad", [[m, k], [k, n], [m, n]]) == flop
+    assert arms._product_flop("creditlab::relu2_linear", [[m, k], [n, k]]) == flop
+    assert arms._product_flop("aten::add_", [[m, n]]) is None
+
+
 def test_kernel_table_classifies_a_profile_and_accounts_for_its_busy_time():
     kernel_table = load("kernel_table")
     profile = Path(__file__).resolve().parents[1] / "benchmarks/results/profile_native_fused_mlp_seed.txt"
