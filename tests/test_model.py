@@ -314,3 +314,40 @@ def test_the_fp8_head_trains_the_same_model_through_quantized_products():
     assert 1e-4 < relative < 0.1, relative
     with torch.no_grad():
         assert fp8.loss_sum(idx, tgt).item() == plain.loss_sum(idx, tgt).item()
+
+
+def test_the_pointwise_attention_gate_is_the_products_arithmetic():
+    """model.attn_gate=pointwise writes the gate's sum of products elementwise: in float64 the loss and every
+    gradient are the product's to rounding; a gate weight changed in one model shows the comparison can fail."""
+    product_cfg, pointwise_cfg = small_cfg(), small_cfg("model.attn_gate=pointwise")
+    product = randomize(GPT(product_cfg).double())
+    idx, tgt = tokens(product_cfg, batch=2, seed=7)
+
+    def loss_and_grads(model):
+        loss = model(idx, tgt)
+        return loss.item(), torch.cat([g.flatten() for g in torch.autograd.grad(loss, list(model.parameters()))])
+
+    reference = loss_and_grads(product)
+    for perturb, expect_equal in ((False, True), (True, False)):
+        pointwise = GPT(pointwise_cfg).double()
+        pointwise.load_state_dict(product.state_dict())
+        if perturb:
+            with torch.no_grad():
+                pointwise.blocks[1].attn.gate.weight[0, 3] += 0.1
+        loss, grads = loss_and_grads(pointwise)
+        same = loss == pytest.approx(reference[0], rel=1e-12) and torch.allclose(grads, reference[1], rtol=1e-10,
+                                                                                  atol=1e-12)
+        assert same == expect_equal, (perturb, loss, reference[0])
+
+
+def test_the_pointwise_gate_compiles_into_the_one_graph_and_keeps_the_products_dtype():
+    cfg = config.load("tiny", ["model.vocab_size=97", "model.attn_gate=pointwise"])
+    model = GPT(cfg.model)
+    idx = torch.randint(0, 97, (2, 16))
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(idx, idx, credit=ExactCredit())
+    assert explained.graph_break_count == 0, explained.break_reasons
+    attn = model.blocks[0].attn
+    n = torch.randn(2, 16, cfg.model.width, dtype=torch.bfloat16)
+    with torch.autocast("cpu", torch.bfloat16):
+        assert attn.head_gates(n).dtype == attn.gate(n[..., :attn.gate_dim]).dtype == torch.bfloat16

@@ -39,6 +39,8 @@ class TileConfig:
     # The derivative epilogue's post tile read with plain loads issued before the K loop, so that its read
     # overlaps the products instead of following them (a TMA load there waits at once and spills).
     prefetch: bool = False
+    # The tile loop and the K loop pipelined as one loop; off, each tile's loads before its K loop stay its own.
+    flatten: bool = True
     programs_per_sm: int = 1  # 2: two persistent programs share a multiprocessor, one's epilogue beside the other's loop
 
 
@@ -69,11 +71,11 @@ if triton is not None:
     def _matmul_kernel(a_desc, b_desc, c_desc, aux_desc, aux_ptr, M, N, K, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
                        B_IS_KN: tl.constexpr, EPILOGUE: tl.constexpr, SUBTILES: tl.constexpr,
-                       PREFETCH: tl.constexpr):
+                       PREFETCH: tl.constexpr, FLATTEN: tl.constexpr):
         tiles_m = tl.cdiv(M, BLOCK_M)
         tiles_n = tl.cdiv(N, BLOCK_N)
         k_steps = tl.cdiv(K, BLOCK_K)
-        for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=True):
+        for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=FLATTEN):
             pid_m, pid_n = _tile_coordinates(tile, tiles_m, tiles_n, GROUP_M)
             off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
             HALF: tl.constexpr = BLOCK_N // SUBTILES
@@ -151,7 +153,7 @@ def _launch(a, b, b_is_kn: bool, epilogue: int, aux=None, config: TileConfig | N
     _matmul_kernel[(programs,)](a_desc, b_desc, c_desc, aux_desc, aux, M, N, K, BLOCK_M=cfg.block_m,
                                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, PROGRAMS=programs,
                                 B_IS_KN=b_is_kn, EPILOGUE=epilogue, SUBTILES=cfg.subtiles,
-                                PREFETCH=cfg.prefetch and epilogue == EPILOGUE_RELU2_GRAD,
+                                PREFETCH=cfg.prefetch and epilogue == EPILOGUE_RELU2_GRAD, FLATTEN=cfg.flatten,
                                 num_stages=cfg.stages, num_warps=cfg.warps)
     return c
 
