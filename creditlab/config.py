@@ -48,10 +48,6 @@ class ModelConfig:
     # the logits' gradient in e5m2, one scale each; a precision choice, not exact arithmetic, whose learning is
     # measured apart (benchmarks/native_seed.md). Evaluation keeps the plain precision either way.
     head: str = "plain"
-    # product: the per-head attention gate as the product it is (gate_dim -> heads, a separate cuBLAS kernel each
-    # way); pointwise: the same sum of gate_dim products written elementwise, so that the compiler folds it into
-    # the passes beside it (benchmarks/native_seed.md measures both).
-    attn_gate: str = "product"
 
     @property
     def recompute_parts(self) -> frozenset[str]:
@@ -123,8 +119,7 @@ RECOMPUTE_PARTS = ("norm", "qk", "mlp")
 MLPS = ("fused", "plain")  # also the choices of model.qk, credit.decode and credit.fit_rows
 NORMS = ("plain", "keep_output")
 HEADS = ("plain", "fp8")
-ATTN_GATES = ("product", "pointwise")
-MODEL_CHOICES = {"mlp": MLPS, "qk": MLPS, "norm": NORMS, "head": HEADS, "attn_gate": ATTN_GATES}
+MODEL_CHOICES = {"mlp": MLPS, "qk": MLPS, "norm": NORMS, "head": HEADS}
 # (key, value, recompute part, what it keeps): with model.<key>=<value> that part has nothing to recompute
 LEAN_MODULES = (("mlp", "fused", "mlp", "the fused MLP keeps only ReLU^2's output"),
                 ("qk", "fused", "qk", "the fused QK-norm keeps only what attention keeps"),

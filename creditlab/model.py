@@ -130,7 +130,6 @@ class Attention(nn.Module):
         self.proj = nn.Linear(d, d, bias=False)
         self.gate = nn.Linear(cfg.gate_dim, cfg.heads, bias=False)  # per-head sigmoid gate from the branch input
         self.gate_dim = cfg.gate_dim
-        self.gate_pointwise = cfg.attn_gate == "pointwise"
         # v <- a*v + b*ve: how much of this layer's value embedding to mix in.
         self.value_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if has_value_embed else None
         self.rotary = Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_base)
@@ -153,18 +152,8 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            is_causal=True, scale=0.12)
         y = y.transpose(1, 2)  # (B, T, H, hd)
-        y = y * torch.sigmoid(self.head_gates(n))[..., None]
+        y = y * torch.sigmoid(self.gate(n[..., :self.gate_dim]))[..., None]
         return self.proj(y.reshape(B, T, d))
-
-    def head_gates(self, n: torch.Tensor) -> torch.Tensor:
-        """The gates' logits, one per head: n's first gate_dim channels times the gate's weight."""
-        if self.gate_pointwise:
-            # gate_dim products a head are too thin for tensor cores (a product kernel each way at a few
-            # TFLOP/s); written out, they join the compiled passes that read n and y anyway
-            g = (n[..., :self.gate_dim, None] * self.gate.weight.t()).sum(-2)
-            kind = n.device.type  # in the dtype the product gives, so that both options keep the same tensors
-            return g.to(torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else n.dtype)
-        return self.gate(n[..., :self.gate_dim])
 
 
 class MLP(nn.Module):

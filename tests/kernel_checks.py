@@ -114,13 +114,13 @@ def logits_shaped_kept_by_compiled_model(products_traced_op_by_op: bool) -> int:
 SMALL_TILES = relu2_matmul.TileConfig(block_m=32, block_n=32, block_k=16, group_m=2, stages=2, warps=4)
 
 
-def relu2_errors(M, K, N, subtiles, seed=0, reference_derivative=2.0, prefetch=False):
+def relu2_errors(M, K, N, subtiles, seed=0, reference_derivative=2.0):
     """The three products of the fused-MLP kernel on fresh random float32 inputs, written into NaN-poisoned
     outputs (an element the kernel leaves unwritten stays NaN), against float64; partial tiles in M, N and K.
     `reference_derivative` other than 2 compares the derivative epilogue with a wrong formula."""
     import dataclasses
 
-    cfg = dataclasses.replace(SMALL_TILES, subtiles=subtiles, prefetch=prefetch)
+    cfg = dataclasses.replace(SMALL_TILES, subtiles=subtiles)
     g = torch.Generator().manual_seed(seed)
     x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
     dy, w_kn = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g)
@@ -399,9 +399,6 @@ if __name__ == "__main__":
         "relu2_even": relu2_errors(64, 32, 64, 2),
         "relu2_partial": relu2_errors(100, 40, 72, 2, seed=1),
         "relu2_one_subtile": relu2_errors(100, 40, 72, 1, seed=2),
-        "relu2_prefetch": relu2_errors(100, 40, 72, 2, seed=3, prefetch=True),
-        "relu2_prefetch_one_subtile": relu2_errors(100, 40, 72, 1, seed=4, prefetch=True),
-        "relu2_prefetch_wrong_derivative": relu2_errors(64, 32, 64, 2, reference_derivative=1.0, prefetch=True),
         "relu2_wrong_derivative": relu2_errors(64, 32, 64, 2, reference_derivative=1.0),
         "fused_mlp": fused_mlp_through_kernel(),
         "one_block": kernel_errors(8, 97, 128, None, 20.0, torch.float32),

@@ -36,12 +36,6 @@ class TileConfig:
     stages: int = 3
     warps: int = 8
     subtiles: int = 2  # the epilogue's column splits
-    # The derivative epilogue's post tile read with plain loads issued before the K loop, so that its read
-    # overlaps the products instead of following them (a TMA load there waits at once and spills).
-    prefetch: bool = False
-    # The tile loop and the K loop pipelined as one loop; off, each tile's loads before its K loop stay its own.
-    flatten: bool = True
-    programs_per_sm: int = 1  # 2: two persistent programs share a multiprocessor, one's epilogue beside the other's loop
 
 
 # The fastest measured at the seed shape on an H200 (benchmarks/relu2_mlp.md), per product.
@@ -68,23 +62,17 @@ if triton is not None:
         c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
 
     @triton.jit
-    def _matmul_kernel(a_desc, b_desc, c_desc, aux_desc, aux_ptr, M, N, K, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
-                       B_IS_KN: tl.constexpr, EPILOGUE: tl.constexpr, SUBTILES: tl.constexpr,
-                       PREFETCH: tl.constexpr, FLATTEN: tl.constexpr):
+    def _matmul_kernel(a_desc, b_desc, c_desc, aux_desc, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
+                       B_IS_KN: tl.constexpr, EPILOGUE: tl.constexpr, SUBTILES: tl.constexpr):
         tiles_m = tl.cdiv(M, BLOCK_M)
         tiles_n = tl.cdiv(N, BLOCK_N)
         k_steps = tl.cdiv(K, BLOCK_K)
-        for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=FLATTEN):
+        for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=True):
             pid_m, pid_n = _tile_coordinates(tile, tiles_m, tiles_n, GROUP_M)
             off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
             HALF: tl.constexpr = BLOCK_N // SUBTILES
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            if EPILOGUE == 2 and PREFETCH:
-                rows = off_m + tl.arange(0, BLOCK_M)
-                cols = off_n + tl.arange(0, BLOCK_N)
-                aux = tl.load(aux_ptr + rows[:, None] * N + cols[None, :],
-                              mask=(rows[:, None] < M) & (cols[None, :] < N), other=0.0)
             for step in range(k_steps):
                 off_k = step * BLOCK_K
                 a = a_desc.load([off_m, off_k])
@@ -96,12 +84,7 @@ if triton is not None:
             # registers (benchmarks/results/relu2_mlp_configs_seed.md: 12.9 ms instead of 0.58 ms).
             aux_left = None
             aux_right = None
-            if EPILOGUE == 2 and PREFETCH:
-                if SUBTILES == 2:
-                    aux_left, aux_right = aux.reshape(BLOCK_M, 2, HALF).permute(0, 2, 1).split()
-                else:
-                    aux_left = aux
-            elif EPILOGUE == 2:
+            if EPILOGUE == 2:
                 aux_left = aux_desc.load([off_m, off_n])
                 if SUBTILES == 2:
                     aux_right = aux_desc.load([off_m, off_n + HALF])
@@ -124,9 +107,9 @@ def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _programs(device: torch.device, tiles: int, per_sm: int = 1) -> int:
+def _programs(device: torch.device, tiles: int) -> int:
     if device.type == "cuda":
-        return min(tiles, per_sm * _multiprocessors(device.index if device.index is not None else 0))
+        return min(tiles, _multiprocessors(device.index if device.index is not None else 0))
     return min(tiles, 3)  # the interpreter: a few programs, so that one program walks several tiles
 
 
@@ -146,14 +129,12 @@ def _launch(a, b, b_is_kn: bool, epilogue: int, aux=None, config: TileConfig | N
     a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
     b_desc = TensorDescriptor.from_tensor(b, [cfg.block_k, cfg.block_n] if b_is_kn else [cfg.block_n, cfg.block_k])
     c_desc = TensorDescriptor.from_tensor(c, epilogue_block)
-    aux = aux.contiguous() if aux is not None else c
-    aux_desc = TensorDescriptor.from_tensor(aux, epilogue_block)
+    aux_desc = TensorDescriptor.from_tensor(aux.contiguous(), epilogue_block) if aux is not None else c_desc
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    programs = _programs(a.device, tiles, cfg.programs_per_sm)
-    _matmul_kernel[(programs,)](a_desc, b_desc, c_desc, aux_desc, aux, M, N, K, BLOCK_M=cfg.block_m,
+    programs = _programs(a.device, tiles)
+    _matmul_kernel[(programs,)](a_desc, b_desc, c_desc, aux_desc, M, N, K, BLOCK_M=cfg.block_m,
                                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, PROGRAMS=programs,
                                 B_IS_KN=b_is_kn, EPILOGUE=epilogue, SUBTILES=cfg.subtiles,
-                                PREFETCH=cfg.prefetch and epilogue == EPILOGUE_RELU2_GRAD, FLATTEN=cfg.flatten,
                                 num_stages=cfg.stages, num_warps=cfg.warps)
     return c
 
