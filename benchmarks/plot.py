@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -256,6 +257,9 @@ ARMS_FIGURES = [
     ("arms_before_head_seed.json", "arms_before_head_seed.png", "credit arms, before the head loss wrote its products in place"),
     ("arms_head_seed.json", "arms_head_seed.png", "credit arms, the head loss's products written and added in place"),
     ("arms_head_second_seed.json", "arms_head_second_seed.png", "the same tree, a second process"),
+    ("arms_pointwise_gate_seed.json", "arms_pointwise_gate_seed.png", "the attention gate written pointwise (taken out)"),
+    ("arms_chunk16k_seed.json", "arms_chunk16k_seed.png", "head-loss chunk 16,384 vs 8,192, products in place"),
+    ("arms_recheck_seed.json", "arms_recheck_seed.png", "the package of the admitted screen, 24 updates"),
 ]
 
 
@@ -280,6 +284,23 @@ def plot_head_loss(results: list[Path], out: Path, name: str) -> Path:
     ax2.axhline(0, color="grey", lw=0.8)
     ax2.set_xticks([i + 1 for i in x], [f"process {i + 1}" for i in x])
     ax2.set(ylabel="as it is - before, ms", title="each alternated round")
+    return _save(fig, out / name)
+
+
+def plot_products(results: Path, out: Path, name: str) -> Path:
+    """Each of the step's plain products, cuBLAS against the persistent Triton kernel: TFLOP/s (medians of
+    alternated rounds)."""
+    rows = json.loads(results.read_text())["rows"]
+    paths = list(rows[0]["median_ms"])
+    fig, ax = plt.subplots(figsize=(11, 4))
+    width = 0.8 / len(paths)
+    for j, (path, color) in enumerate(zip(paths, ("#4c72b0", "#dd8452", "#999999"))):
+        ax.bar([i + (j - (len(paths) - 1) / 2) * width for i in range(len(rows))],
+               [r["TFLOP_per_s"][path] for r in rows], width=width, color=color, label=path)
+    ax.set_xticks(range(len(rows)), [textwrap.fill(r["product"], 16) + f"\n{r['M']}x{r['K']}x{r['N']}"
+                                     for r in rows], fontsize=7)
+    ax.set(ylabel="TFLOP/s (median of 10 rounds)", title="the seed step's plain products, one H200, bf16")
+    ax.legend(fontsize=8, loc="lower right")
     return _save(fig, out / name)
 
 
@@ -343,6 +364,7 @@ def main() -> None:
     print(plot_screens(HERE / "screen_records", out))
     print(plot_head_loss([results / f"head_loss{n}_seed.json" for n in ("", "_second", "_third")], out,
                          "head_loss_seed.png"))
+    print(plot_products(results / "products_seed.json", out, "products_seed.png"))
     print(plot_kernel_bandwidth(results / "kernel_bandwidth_seed.json", out, "kernel_bandwidth_seed.png"))
     print(plot_kernel_classes({"native, before the fused modules": results / "profile_native_busy_seed.txt",
                                "native now": results / "profile_native_final_busy_seed.txt",
