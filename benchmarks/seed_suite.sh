@@ -19,6 +19,7 @@ fi
 python3 "$here/softcap_ce.py" --out "$out/softcap_ce" 2>&1 | tail -15
 python3 "$here/fp8_head.py" --out "$out/fp8_head" 2>&1 | head -8
 python3 "$here/head_loss.py" --out "$out/head_loss" 2>&1 | head -6
+python3 "$here/products.py" --out "$out/products" 2>&1 | tail -9
 python3 "$here/arms.py" --out "$out/arms" --profile native --memory native \
   --arms native,native+recompute_all,native_plain,zero,learned,learned_materialized,teacher,cycle --updates 16 \
   2>&1 | grep -v "^update" | tail -20
