@@ -284,9 +284,9 @@ PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_mm", "cred
 
 
 def product_shapes(trace: dict, updates: int) -> str:
-    """Every product of a trace recorded with shapes, grouped by its op and its operands' shapes: op calls and
-    GPU ms per update, the kernels they ran (most time first) and the rate, 2 M K N per call over those kernels'
-    time, most time first. The rate says which of the step's products sit below what the card's tensor cores
+    """Every product of a trace recorded with shapes, grouped by its op and its operands' shapes, the groups with
+    the most GPU time first: op calls and GPU ms per update, the kernels they ran and the rate, 2 M K N per call
+    over those kernels' time. The rate says which of the step's products sit below what the card's tensor cores
     give."""
     groups: dict[tuple[str, str], dict] = {}
     for e, around in _launched_in(trace):
