@@ -2,11 +2,11 @@
 
 The teacher regresses the prediction D gated (tokens, d) onto the true correction c in rank space
 (`credit.teacher.rank_space_fit`): per token it needs c D and gated M (M = D^T D), and over all tokens |c|^2,
-|pred|^2, <pred, c> and the features' Gram matrix. The compiler's version reads c three times (c D, |c|^2, and
-c^T gated) and makes a split reduction over a dozen (tokens, 2r) float32 tensors. This kernel reads each tile of
-c once for c D and |c|^2, forms gated = gate * code on chip, and writes only what the rest of the fit reads: gated
-(for c^T gated, a product of its own) and the two token-wise gradients of the regression before its scalar
-factor 2 scale / |c|^2, which is known only once every tile is summed:
+|pred|^2 (= <M, Gram>), <pred, c> and the features' Gram matrix. The compiler's version reads c three times
+(c D, |c|^2, and c^T gated) and makes a split reduction over a dozen (tokens, 2r) float32 tensors. This kernel
+reads each tile of c once for c D and |c|^2, forms gated = gate * code on chip, and writes only what the rest of
+the fit reads: gated (for c^T gated, a product of its own) and the two token-wise gradients of the regression
+before its scalar factor 2 scale / |c|^2, which is known only once every tile is summed:
 
     u = gated M - c D,   code_grad = u * gate,   gate_grad = u * code * gate * (1 - gate)
 
@@ -32,7 +32,9 @@ class FitTiles:
     # ahead, ran at half the speed (benchmarks/predictor_cost.md)
     block_k: int = 64
     tiles: int = 8  # tiles per program: the partial sums get one row per rows * tiles tokens
-    warps: int = 8
+    # at 8 warps the epilogue's registers left one program per SM, its latency exposed; at 4, two
+    # (benchmarks/results/fit_rows_variants_seed.md)
+    warps: int = 4
     stages: int = 4
 
 
@@ -47,10 +49,11 @@ if triton is not None:
                   STAGES: tl.constexpr, SUMS: tl.constexpr):
         pid = tl.program_id(0)
         ks = tl.arange(0, R2)
-        m = tl.load(gram_weights + ks[:, None] * R2 + ks[None, :])  # D^T D (R2, R2), float32
+        # M = D^T D (R2, R2) float32, loaded per tile (an L2 hit) rather than held: the registers it would hold
+        # cost more than the loads (benchmarks/predictor_cost.md)
+        m_at = gram_weights + ks[:, None] * R2 + ks[None, :]
         gram = tl.zeros([R2, R2], tl.float32)
         c_sq = tl.zeros([ROWS], tl.float32)
-        pred_sq = tl.zeros([ROWS], tl.float32)
         pred_dot = tl.zeros([ROWS], tl.float32)
         for tile in range(TILES):
             rows = ((pid * TILES + tile) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
@@ -66,17 +69,19 @@ if triton is not None:
             g = tl.load(gate + small, mask=valid[:, None], other=0.0).to(tl.float32)
             x = tl.load(code + small, mask=valid[:, None], other=0.0).to(tl.float32)
             gated = g * x  # zero on rows past the end: they add nothing below
-            gated_m = tl.dot(gated, m)
-            pred_sq += tl.sum(gated_m * gated, axis=1)
             pred_dot += tl.sum(decoded * gated, axis=1)
-            gram = tl.dot(tl.trans(gated), gated, gram)
-            u = gated_m - decoded
-            tl.store(gated_out + small, gated.to(gated_out.dtype.element_ty), mask=valid[:, None])
+            u = tl.dot(gated, tl.load(m_at), -decoded)
+            # the Gram matrix of gated as stored (c's dtype), the features the cross product c^T gated reads: in
+            # bf16 it is the faster product, and its rounding, unlike TF32's, does not bias the sums of squares
+            stored = gated.to(gated_out.dtype.element_ty)
+            gram = tl.dot(tl.trans(stored), stored, gram)
+            tl.store(gated_out + small, stored, mask=valid[:, None])
             tl.store(code_grad + small, (u * g).to(code_grad.dtype.element_ty), mask=valid[:, None])
             tl.store(gate_grad + small, (u * x * g * (1.0 - g)).to(gate_grad.dtype.element_ty), mask=valid[:, None])
         row = partial + pid * (SUMS + R2 * R2)
         tl.store(row, tl.sum(c_sq, axis=0))
-        tl.store(row + 1, tl.sum(pred_sq, axis=0))
+        # |pred|^2 summed over the tokens is <M, Gram>: no per-token product kept for it
+        tl.store(row + 1, tl.sum(tl.sum(tl.load(m_at) * gram, axis=1), axis=0))
         tl.store(row + 2, tl.sum(pred_dot, axis=0))
         tl.store(row + SUMS + ks[:, None] * R2 + ks[None, :], gram)
 
