@@ -1,0 +1,26 @@
+"""Triton kernels, for the few places where a measured gap demands one.
+
+Each kernel runs on CUDA tensors, and under TRITON_INTERPRET=1 on CPU tensors, which is how the tests check
+it against float64 arithmetic without a GPU (tests/kernel_checks.py). Callers choose the kernel only where
+`available` says so and keep the torch arithmetic as the path everywhere else.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from creditlab.kernels._triton import triton
+from creditlab.kernels import tiled_transpose
+from creditlab.kernels.softcap_ce import softcap_ce_rows
+
+__all__ = ["available", "softcap_ce_rows", "transpose"]
+
+
+def available(t: torch.Tensor) -> bool:
+    return triton is not None and t.is_cuda
+
+
+def transpose(x: torch.Tensor) -> torch.Tensor:
+    """x.t().contiguous() of a one-byte matrix: by tiles in Triton on CUDA (kernels/tiled_transpose.py), torch's copy
+    elsewhere."""
+    return tiled_transpose.transpose(x) if available(x) else x.t().contiguous()

@@ -1,0 +1,109 @@
+"""QK-norm and rotary positions as one operation on the Q/K/V projection's output (`model.qk=fused`).
+
+Attention reads q and k RMS-normalized per head and rotated by their positions, and v as projected. Written op
+by op, the compiler makes a pass over q and k each way and, in the backward, assembles the projection's output
+gradient from the q, k and v gradients in another. Here the forward is one pass that also lays v out
+contiguously, and the backward one pass that writes the projection's output gradient whole. It keeps the rotated
+q and k (which attention keeps anyway: the same tensors) and one float32 scale per token and head, and recovers
+the normalized q and k from the rotated ones by rotating back (R^T R = (cos^2 + sin^2) I, divided out).
+
+On CUDA the passes are Triton kernels (kernels/qk_norm_rotary.py); elsewhere the torch arithmetic of the same
+formulas, so the backward's formula is checked against autograd in float64 on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from creditlab import kernels
+from creditlab.kernels import qk_norm_rotary as qk_kernels
+
+EPS = 1e-6  # as model.norm
+
+
+def _halves_rotated(x1, x2, c, s, inverse: bool = False):
+    return (x1 * c - x2 * s, x1 * s + x2 * c) if inverse else (x1 * c + x2 * s, x2 * c - x1 * s)
+
+
+def reference_forward(qkv, cos, sin, heads: int, eps: float = EPS):
+    """The torch arithmetic of the kernel's forward: (q, k, v, scales) as in qk_norm_rotary_forward."""
+    B, T, three_width = qkv.shape
+    hd = three_width // 3 // heads
+    x = qkv.view(B, T, 3, heads, hd)
+    acc = torch.promote_types(qkv.dtype, torch.float32)
+    qk = x[:, :, :2].to(acc)
+    scales = torch.rsqrt(qk.square().mean(-1) + eps)  # (B, T, 2, heads)
+    n1, n2 = (qk * scales[..., None]).chunk(2, dim=-1)
+    c, s = cos[:T, None, None, :].to(acc), sin[:T, None, None, :].to(acc)
+    out = torch.cat(_halves_rotated(n1, n2, c, s), dim=-1).to(qkv.dtype)
+    return out[:, :, 0].contiguous(), out[:, :, 1].contiguous(), x[:, :, 2].contiguous(), scales
+
+
+def reference_backward(dq, dk, dv, q, k, scales, cos, sin):
+    """The torch arithmetic of the kernel's backward: d loss / d qkv (B, T, 3 * width)."""
+    B, T, heads, hd = q.shape
+    acc = torch.promote_types(q.dtype, torch.float32)
+    c, s = cos[:T, None, :].to(acc), sin[:T, None, :].to(acc)
+    grads = []
+    for g, out, scale in ((dq, q, scales[:, :, 0]), (dk, k, scales[:, :, 1])):
+        dn = torch.cat(_halves_rotated(*g.to(acc).chunk(2, dim=-1), c, s, inverse=True), dim=-1)
+        # R^T R = (c^2 + s^2) I: not exactly I for rounded cos and sin, so divide it out to recover n
+        n = torch.cat(_halves_rotated(*out.to(acc).chunk(2, dim=-1), c, s, inverse=True), dim=-1)
+        n = n / torch.cat([c * c + s * s] * 2, dim=-1)
+        mean = (dn * n).mean(-1, keepdim=True)
+        grads.append((scale[..., None] * (dn - n * mean)).to(q.dtype))
+    return torch.stack([*grads, dv.to(q.dtype)], dim=2).reshape(B, T, 3 * heads * hd)
+
+
+def _kernel_takes(t: torch.Tensor) -> bool:
+    return kernels.available(t) and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
+
+
+@torch.library.custom_op("creditlab::qk_norm_rotary_forward", mutates_args=())
+def forward_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _kernel_takes(qkv):
+        return qk_kernels.qk_norm_rotary_forward(qkv, cos, sin, heads, EPS)
+    return reference_forward(qkv, cos, sin, heads)
+
+
+@forward_op.register_fake
+def _(qkv, cos, sin, heads):
+    B, T, three_width = qkv.shape
+    shape = (B, T, heads, three_width // 3 // heads)
+    acc = torch.promote_types(qkv.dtype, torch.float32)
+    return (qkv.new_empty(shape), qkv.new_empty(shape), qkv.new_empty(shape),
+            qkv.new_empty((B, T, 2, heads), dtype=acc))
+
+
+@torch.library.custom_op("creditlab::qk_norm_rotary_backward", mutates_args=())
+def backward_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                scales: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    if _kernel_takes(q):
+        return qk_kernels.qk_norm_rotary_backward(dq, dk, dv, q, k, scales, cos, sin)
+    return reference_backward(dq, dk, dv, q, k, scales, cos, sin)
+
+
+@backward_op.register_fake
+def _(dq, dk, dv, q, k, scales, cos, sin):
+    B, T, heads, hd = q.shape
+    return q.new_empty((B, T, 3 * heads * hd))
+
+
+class _QKNormRotary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, heads: int):
+        q, k, v, scales = forward_op(qkv, cos, sin, heads)
+        ctx.save_for_backward(q, k, scales, cos, sin)
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        q, k, scales, cos, sin = ctx.saved_tensors
+        return backward_op(dq, dk, dv, q, k, scales, cos, sin), None, None, None
+
+
+def qk_norm_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int):
+    """(q, k, v), each (B, T, heads, head_dim): q and k of qkv (B, T, 3 * width) RMS-normalized per head and
+    rotated (cos, sin: (>= T, head_dim / 2)), v as projected."""
+    return _QKNormRotary.apply(qkv, cos, sin, heads)
