@@ -28,6 +28,7 @@ CLASSES = [
      and "dgrad" not in n),
     ("norms", lambda n: n.startswith("_norm_decode") or (n.startswith("triton") and ("rsqrt" in n or "mean" in n))),
     ("embeddings", lambda n: n.startswith("triton") and "embedding" in n),
+    ("the teacher's fit (Triton)", lambda n: n.startswith("_fit_rows")),
     ("other generated pointwise / reductions", lambda n: n.startswith("triton")),
     ("optimizer and eager elementwise", lambda n: "at::native" in n or "multi_tensor" in n or "foreach" in n),
     ("copies and memsets", lambda n: n.startswith("Memcpy") or n.startswith("Memset")),
@@ -63,8 +64,9 @@ def read_profile(path: Path) -> dict:
         except AttributeError:
             continue
         # no CPU time of its own: a kernel, or a range the profiler draws on the GPU's timeline over kernels
-        # listed anyway (the optimizers' steps), which would count them twice
-        if cpu > 0 or cuda == 0 or (name, self_cuda) in seen or name.startswith(("Optimizer.", "ProfilerStep")):
+        # listed anyway (the optimizers' steps, the compiled graphs' calls), which would count them twice
+        if (cpu > 0 or cuda == 0 or (name, self_cuda) in seen
+                or name.startswith(("Optimizer.", "ProfilerStep", "## Call CompiledFxGraph"))):
             continue
         seen.add((name, self_cuda))
         by_class[classify(name)] = by_class.get(classify(name), 0.0) + cuda / updates

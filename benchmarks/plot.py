@@ -260,6 +260,7 @@ ARMS_FIGURES = [
     ("arms_pointwise_gate_seed.json", "arms_pointwise_gate_seed.png", "the attention gate written pointwise (taken out)"),
     ("arms_chunk16k_seed.json", "arms_chunk16k_seed.png", "head-loss chunk 16,384 vs 8,192, products in place"),
     ("arms_recheck_seed.json", "arms_recheck_seed.png", "the package of the admitted screen, 24 updates"),
+    ("arms_fit_lean_seed.json", "arms_fit_lean_seed.png", "credit arms, the teacher's fit kernel at 4 warps, 24 updates"),
 ]
 
 
@@ -301,6 +302,27 @@ def plot_products(results: Path, out: Path, name: str) -> Path:
                                      for r in rows], fontsize=7)
     ax.set(ylabel="TFLOP/s (median of 10 rounds)", title="the seed step's plain products, one H200, bf16")
     ax.legend(fontsize=8, loc="lower right")
+    return _save(fig, out / name)
+
+
+def plot_fit_variants(results: Path, out: Path, name: str, default: str) -> Path:
+    """The fit kernel's variants at the seed shape: median ms of alternated rounds, fastest first; the ones that
+    leave work out (wrong results) hatched, the reads of c alone and cuBLAS's c D as the floor."""
+    data = json.loads(results.read_text())
+    times = sorted(data["times_ms"].items(), key=lambda kv: kv[1])
+    fig, ax = plt.subplots(figsize=(10, 0.24 * len(times) + 1.2))
+    for i, (variant, ms) in enumerate(times):
+        color = ("#dd8452" if variant == default else "#4c72b0" if variant == "kernel"
+                 else "#999999" if variant not in data["difference_from_kernel"] else "#a1c9f4")
+        ax.barh(i, ms, color=color, hatch="//" if variant.endswith("(wrong)") else None, edgecolor="white")
+        ax.annotate(f"{ms:.3f}", (ms, i), va="center", fontsize=7, xytext=(2, 0), textcoords="offset points")
+    ax.set_yticks(range(len(times)), [v if v != "kernel" else "kernel (then the default)" for v, _ in times],
+                  fontsize=7)
+    ax.invert_yaxis()
+    shape = data["shape"]
+    ax.set(xlabel="ms per call (median of 10 alternated rounds)",
+           title=f"the teacher's fit kernel, {shape['tokens']:,} x {shape['width']}, code width "
+                 f"{shape['code_width']}\norange: the default since; hatched: work left out")
     return _save(fig, out / name)
 
 
@@ -365,6 +387,8 @@ def main() -> None:
     print(plot_head_loss([results / f"head_loss{n}_seed.json" for n in ("", "_second", "_third")], out,
                          "head_loss_seed.png"))
     print(plot_products(results / "products_seed.json", out, "products_seed.png"))
+    print(plot_fit_variants(results / "fit_rows_variants_seed.json", out, "fit_rows_variants_seed.png",
+                            "lean, M per tile, 4 warps, Gram in bf16"))
     print(plot_kernel_bandwidth(results / "kernel_bandwidth_seed.json", out, "kernel_bandwidth_seed.png"))
     print(plot_kernel_classes({"native, before the fused modules": results / "profile_native_busy_seed.txt",
                                "native now": results / "profile_native_final_busy_seed.txt",

@@ -169,6 +169,18 @@ def test_kernel_table_classifies_a_profile_and_accounts_for_its_busy_time():
     assert kernel_table.classify("triton_red_fused__to_copy_add_cat_div_expand_mul_neg_pow") == "QK-norm + rotary"
 
 
+def test_kernel_table_leaves_out_the_ranges_drawn_over_a_compiled_graphs_kernels():
+    """A profile whose key averages list each compiled graph's call as a GPU range over its kernels: the ranges
+    are not counted again (they would add the graphs' whole time to "other")."""
+    kernel_table = load("kernel_table")
+    profile = Path(__file__).resolve().parents[1] / "benchmarks/results/profile_teacher_fit_lean_seed.txt"
+    assert "## Call CompiledFxGraph" in profile.read_text()
+    read = kernel_table.read_profile(profile)
+    assert sum(read["by_class"].values()) == pytest.approx(read["busy_ms"])
+    assert read["by_class"]["other"] < 10 and read["by_class"]["not among the listed rows"] > 0
+    assert read["by_class"]["the teacher's fit (Triton)"] == pytest.approx(15.343 / 2)  # 128 calls, 2 updates
+
+
 def test_paired_differences_are_taken_round_by_round():
     arms = load("arms")
     base = [{"seconds": s} for s in (9, 9, 0.30, 0.40, 0.30, 0.40, 0.30, 0.40)]
