@@ -24,19 +24,28 @@ from creditlab.kernels import fit_rows  # noqa: E402
 from creditlab.runtime import cuda_ms, gpu_benchmark_folder, largest_relative_error, write_benchmark  # noqa: E402
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def branch_problem(description: str, extra=None):
+    """One branch and micro-batch at the seed shape, from the command line: (args, out folder, tokens, width,
+    code width), or None where no CUDA GPU is visible (the caller exits 2). `extra` adds arguments."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", type=int, default=64 * 2048)
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--rank", type=int, default=32)
-    ap.add_argument("--tiles", action="store_true", help="time the kernel alone at several launch shapes")
+    if extra:
+        extra(ap)
     args = ap.parse_args()
     out = gpu_benchmark_folder(args.out)
-    if out is None:
+    return None if out is None else (args, out, args.tokens, args.width, 2 * args.rank)
+
+
+def main() -> int:
+    problem = branch_problem(__doc__.splitlines()[0], lambda ap: ap.add_argument(
+        "--tiles", action="store_true", help="time the kernel alone at several launch shapes"))
+    if problem is None:
         return 2
+    args, out, N, d, r2 = problem
     torch.backends.cuda.matmul.allow_tf32 = True  # as the trainer runs (runtime.py)
-    N, d, r2 = args.tokens, args.width, 2 * args.rank
     torch.manual_seed(0)
     true = (torch.randn(N, d, device="cuda") * 1e-3).bfloat16()  # a correction's size in the seed runs
     gate = torch.rand(N, r2, device="cuda").bfloat16()

@@ -9,7 +9,6 @@ Writes DIR/fit_rows_variants.json and DIR/fit_rows_variants.md. Any CUDA machine
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -21,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from creditlab.kernels import fit_rows  # noqa: E402
 from creditlab.kernels._triton import tl, triton  # noqa: E402
-from creditlab.runtime import gpu_benchmark_folder, largest_relative_error, write_benchmark  # noqa: E402
+from creditlab.runtime import largest_relative_error, write_benchmark  # noqa: E402
+from fit_rows import branch_problem  # noqa: E402
 from fp8_head import alternated_rounds  # noqa: E402
 
 # the kernels below stay plain functions where Triton is missing (the script then refuses to run)
@@ -278,16 +278,10 @@ def outputs(c, r2, programs):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--tokens", type=int, default=64 * 2048)
-    ap.add_argument("--width", type=int, default=512)
-    ap.add_argument("--rank", type=int, default=32)
-    args = ap.parse_args()
-    out = gpu_benchmark_folder(args.out)
-    if out is None:
+    problem = branch_problem(__doc__.splitlines()[0])
+    if problem is None:
         return 2
-    N, d, r2 = args.tokens, args.width, 2 * args.rank
+    _, out, N, d, r2 = problem
     torch.manual_seed(0)
     c = (torch.randn(N, d, device="cuda") * 1e-3).bfloat16()
     gate = torch.rand(N, r2, device="cuda").bfloat16()

@@ -10,18 +10,19 @@ Writes DIR/norm_decode.json and DIR/norm_decode.md. Any CUDA machine with Triton
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from creditlab.credit.predictor import norm_decode_backward  # noqa: E402
 from creditlab.kernels import norm_decode  # noqa: E402
 from creditlab.model import norm_backward, norm_with_scale  # noqa: E402
-from creditlab.runtime import cuda_ms, gpu_benchmark_folder, largest_relative_error, write_benchmark  # noqa: E402
+from creditlab.runtime import cuda_ms, largest_relative_error, write_benchmark  # noqa: E402
+from fit_rows import branch_problem  # noqa: E402
 
 
 def plain(residual, n, scale, code, gate, decoder):
@@ -32,16 +33,10 @@ def plain(residual, n, scale, code, gate, decoder):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--tokens", type=int, default=64 * 2048)
-    ap.add_argument("--width", type=int, default=512)
-    ap.add_argument("--rank", type=int, default=32)
-    args = ap.parse_args()
-    out = gpu_benchmark_folder(args.out)
-    if out is None:
+    problem = branch_problem(__doc__.splitlines()[0])
+    if problem is None:
         return 2
-    N, d, r2 = args.tokens, args.width, 2 * args.rank
+    _, out, N, d, r2 = problem
     torch.manual_seed(0)
     n, scale = norm_with_scale(torch.randn(N, d, device="cuda").bfloat16())
     scale = scale.reshape(-1)
