@@ -261,6 +261,7 @@ ARMS_FIGURES = [
     ("arms_chunk16k_seed.json", "arms_chunk16k_seed.png", "head-loss chunk 16,384 vs 8,192, products in place"),
     ("arms_recheck_seed.json", "arms_recheck_seed.png", "the package of the admitted screen, 24 updates"),
     ("arms_fit_lean_seed.json", "arms_fit_lean_seed.png", "credit arms, the teacher's fit kernel at 4 warps, 24 updates"),
+    ("arms_fit_lean_second_seed.json", "arms_fit_lean_second_seed.png", "the same tree, a second process"),
 ]
 
 
