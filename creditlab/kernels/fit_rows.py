@@ -49,8 +49,8 @@ if triton is not None:
                   STAGES: tl.constexpr, SUMS: tl.constexpr):
         pid = tl.program_id(0)
         ks = tl.arange(0, R2)
-        # M = D^T D (R2, R2) float32, loaded per tile (an L2 hit) rather than held: the registers it would hold
-        # cost more than the loads (benchmarks/predictor_cost.md)
+        # M = D^T D (R2, R2) float32, loaded where it is used (an L2 hit) rather than held in registers for the
+        # program's life; the two were not compared with this epilogue (benchmarks/predictor_cost.md)
         m_at = gram_weights + ks[:, None] * R2 + ks[None, :]
         gram = tl.zeros([R2, R2], tl.float32)
         c_sq = tl.zeros([ROWS], tl.float32)
@@ -71,8 +71,8 @@ if triton is not None:
             gated = g * x  # zero on rows past the end: they add nothing below
             pred_dot += tl.sum(decoded * gated, axis=1)
             u = tl.dot(gated, tl.load(m_at), -decoded)
-            # the Gram matrix of gated as stored (c's dtype), the features the cross product c^T gated reads: in
-            # bf16 it is the faster product, and its rounding, unlike TF32's, does not bias the sums of squares
+            # the Gram matrix of gated as stored (c's dtype), the features the cross product c^T gated reads; in
+            # bf16 it was both faster and closer to float64 than the TF32 product (benchmarks/predictor_cost.md)
             stored = gated.to(gated_out.dtype.element_ty)
             gram = tl.dot(tl.trans(stored), stored, gram)
             tl.store(gated_out + small, stored, mask=valid[:, None])
