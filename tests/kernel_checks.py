@@ -3,6 +3,7 @@
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -19,9 +20,11 @@ def reference(logits, targets, vocab, cap, scale):
     return rows.detach(), l.grad
 
 
-def kernel_errors(n, vocab, padded, block, spread, dtype, cap=15.0, ref_cap=None, seed=0):
+def kernel_errors(n, vocab, padded, block, spread, dtype, cap=15.0, ref_cap=None, seed=0, poison_padding=False):
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(n, padded, generator=g) * spread).to(dtype)
+    if poison_padding:
+        logits[:, vocab::2], logits[:, vocab + 1::2] = float("nan"), float("inf")
     targets = torch.randint(0, vocab, (n,), generator=g)
     targets[0], targets[-1] = 0, vocab - 1
     rows, grad = kernels.softcap_ce_rows(logits, targets, vocab, cap, 0.25, block=block)
@@ -29,6 +32,30 @@ def kernel_errors(n, vocab, padded, block, spread, dtype, cap=15.0, ref_cap=None
     return {"loss_rel": ((rows.double() - ref_rows).abs() / ref_rows.abs()).max().item(),
             "grad_abs": (grad.double() - ref_grad).abs().max().item() / ref_grad.abs().max().item(),
             "padding_grad_zero": bool((grad[:, vocab:] == 0).all()), "grad_dtype": str(grad.dtype)}
+
+
+def softcap_variant_errors():
+    """The one-pass and two-pass variants of benchmarks/softcap_ce_held.py against float64, on rows whose pieces
+    (256 + 64, 1,024 + 64 + 16) and targets (the first and the last column) reach every part of the kernels."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import softcap_ce_held as bench
+
+    out = {}
+    for n, vocab, padded in ((4, 300, 320), (3, 1090, 1100)):
+        g = torch.Generator().manual_seed(vocab)
+        logits = torch.randn(n, padded, generator=g) * 10
+        targets = torch.randint(0, vocab, (n,), generator=g)
+        targets[0], targets[-1] = 0, vocab - 1
+        ref_rows, ref_grad = reference(logits, targets, vocab, 15.0, 0.25)
+        for name, kw in bench.VARIANTS:
+            if "variant" not in kw and "held" not in kw:  # the package's kernel, checked above
+                continue
+            rows, grad = bench.launcher(kw)(logits, targets, vocab, 15.0, 0.25)
+            key = f"{name} ({padded})"
+            out[key] = {"loss_rel": ((rows.double() - ref_rows).abs() / ref_rows.abs()).max().item(),
+                        "grad_abs": (grad.double() - ref_grad).abs().max().item() / ref_grad.abs().max().item(),
+                        "padding_grad_zero": bool((grad[:, vocab:] == 0).all())}
+    return out
 
 
 def head_loss_errors():
@@ -405,8 +432,10 @@ if __name__ == "__main__":
         "many_blocks": kernel_errors(8, 300, 320, 64, 20.0, torch.float32),
         "saturated": kernel_errors(8, 97, 128, 32, 400.0, torch.float32),
         "near_zero": kernel_errors(8, 97, 128, None, 1e-3, torch.float32),
+        "nan_padding": kernel_errors(8, 300, 320, 64, 20.0, torch.float32, poison_padding=True),
         "bf16": kernel_errors(8, 300, 320, 128, 20.0, torch.bfloat16),
         "wrong_cap": kernel_errors(8, 97, 128, None, 20.0, torch.float32, cap=15.0, ref_cap=14.0),
+        "softcap_variants": softcap_variant_errors(),
         "head_loss": head_loss_errors(),
         "opcheck": opcheck(),
         "logits_kept_fused": logits_shaped_kept_by_compiled_model(False),

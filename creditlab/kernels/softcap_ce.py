@@ -14,7 +14,7 @@ import torch
 
 from creditlab.kernels._triton import tl, triton
 
-DEFAULT_BLOCK, DEFAULT_WARPS, DEFAULT_STAGES = 512, 4, 1  # fastest at the seed shape (benchmarks/softcap_ce.md)
+DEFAULT_BLOCK, DEFAULT_WARPS, DEFAULT_STAGES = 1024, 4, 1  # fastest at the seed shape (benchmarks/softcap_ce.md)
 
 if triton is not None:
 
@@ -27,6 +27,15 @@ if triton is not None:
             return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
     @triton.jit
+    def _load_row(row_ptr, cols, valid, padded: tl.constexpr, policy: tl.constexpr):
+        """A block of a row's logits in float32, zero past the true vocabulary. The load is masked at the padded
+        width, not at the vocabulary: a vocabulary such as 12,289 is odd, and a mask that can change at every
+        column makes the compiler load one 2-byte element an instruction; at the padded width (a multiple of 64)
+        each thread loads its columns in one wide load (benchmarks/softcap_ce.md)."""
+        x = tl.load(row_ptr + cols, mask=cols < padded, other=0.0, eviction_policy=policy).to(tl.float32)
+        return tl.where(valid, x, 0.0)
+
+    @triton.jit
     def _softcap_ce_rows(logits_ptr, grad_ptr, targets_ptr, loss_ptr, stride, cap, scale, vocab: tl.constexpr,
                          padded: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr, STAGES: tl.constexpr):
         LOG2E: tl.constexpr = 1.4426950408889634
@@ -35,13 +44,14 @@ if triton is not None:
         grad_row = grad_ptr + row * stride
         target = tl.load(targets_ptr + row)
         inv_cap = 1.0 / cap
-        # Pass 1: sum of exp(z - cap) over the true vocabulary, and the target's z.
+        # Pass 1: sum of exp(z - cap) over the true vocabulary, and the target's z. Its reads are kept in L2 for
+        # pass 2 (evict_last), whose reads and the gradient's writes are not (evict_first).
         sum_e = tl.zeros([BLOCK], tl.float32)
         target_z = tl.zeros([BLOCK], tl.float32)
         for start in tl.range(0, vocab, BLOCK, num_stages=STAGES):
             cols = start + tl.arange(0, BLOCK)
             valid = cols < vocab
-            z = cap * _tanh(tl.load(logits_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_cap, FAST)
+            z = cap * _tanh(_load_row(logits_row, cols, valid, padded, "evict_last") * inv_cap, FAST)
             sum_e += tl.where(valid, tl.exp2((z - cap) * LOG2E), 0.0)
             target_z += tl.where(cols == target, z, 0.0)
         lse = cap + tl.log(tl.sum(sum_e, axis=0))
@@ -50,10 +60,11 @@ if triton is not None:
         for start in tl.range(0, padded, BLOCK, num_stages=STAGES):
             cols = start + tl.arange(0, BLOCK)
             valid = cols < vocab
-            t = _tanh(tl.load(logits_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_cap, FAST)
+            t = _tanh(_load_row(logits_row, cols, valid, padded, "evict_first") * inv_cap, FAST)
             p = tl.where(valid, tl.exp2((cap * t - lse) * LOG2E), 0.0)
             g = (p - tl.where(cols == target, 1.0, 0.0)) * (1.0 - t * t) * scale
-            tl.store(grad_row + cols, g.to(grad_ptr.dtype.element_ty), mask=cols < padded)
+            tl.store(grad_row + cols, g.to(grad_ptr.dtype.element_ty), mask=cols < padded,
+                     eviction_policy="evict_first")
 
 
 def softcap_ce_rows(logits: torch.Tensor, targets: torch.Tensor, vocab: int, cap: float, scale: float,
