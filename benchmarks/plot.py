@@ -262,6 +262,8 @@ ARMS_FIGURES = [
     ("arms_recheck_seed.json", "arms_recheck_seed.png", "the package of the admitted screen, 24 updates"),
     ("arms_fit_lean_seed.json", "arms_fit_lean_seed.png", "credit arms, the teacher's fit kernel at 4 warps, 24 updates"),
     ("arms_fit_lean_second_seed.json", "arms_fit_lean_second_seed.png", "the same tree, a second process"),
+    ("arms_wide_ce_seed.json", "arms_wide_ce_seed.png",
+     "credit arms, the head loss's cross-entropy with wide loads, 24 updates"),
 ]
 
 
@@ -346,8 +348,9 @@ def plot_softcap_variants(results: Path, out: Path, name: str) -> Path:
     ax.invert_yaxis()
     ax.set_xlim(0.8, max(r["ratio_range"][1] for r in data.values()) + 0.05)
     ax.set(xlabel="time over the kernel's, per round (median, range of 10 alternated rounds)",
-           title="the head loss's soft-capped cross-entropy, one chunk of 8,192 rows, one H200: every variant slower")
-    ax.legend(fontsize=8, loc="lower right")
+           title="the head loss's soft-capped cross-entropy kernel against its variants\n"
+                 "one chunk of 8,192 rows x 12,352 columns, bf16 logits, one H200; under 1: faster")
+    ax.legend(fontsize=8, loc="upper right")
     return _save(fig, out / name)
 
 
