@@ -29,20 +29,29 @@ CONFIGS = [(16384, 16, True, 1), (16384, 16, False, 1), (4096, 8, True, 1), (204
            (2048, 8, True, 3), (256, 2, True, 3)]
 
 
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def chunk_problem(description: str, rows: int = 16_384):
+    """(output folder, arguments, bf16 logits, targets) of one head-loss chunk at the seed shape, from the command
+    line (--out, --rows, --vocab, --padded); None where no CUDA GPU is visible."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--rows", type=int, default=16_384)
+    ap.add_argument("--rows", type=int, default=rows, help="rows of the chunk")
     ap.add_argument("--vocab", type=int, default=12_289)
     ap.add_argument("--padded", type=int, default=12_352)
     args = ap.parse_args()
     out = gpu_benchmark_folder(args.out)
     if out is None:
-        return 2
+        return None
     torch.manual_seed(0)
     logits = (torch.randn(args.rows, args.padded, device="cuda") * 10).bfloat16()
     targets = torch.randint(0, args.vocab, (args.rows,), device="cuda")
+    return out, args, logits, targets
+
+
+def main() -> int:
+    problem = chunk_problem(__doc__.splitlines()[0])
+    if problem is None:
+        return 2
+    out, args, logits, targets = problem
     cap, scale = 15.0, 1.0 / args.rows
     gbytes = 2 * logits.numel() * logits.element_size() / 1e9
     ref_rows, ref_grad = torch_rows(logits, targets, args.vocab, cap, scale)

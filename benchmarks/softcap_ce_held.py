@@ -10,7 +10,6 @@ Writes DIR/softcap_ce_held.json and DIR/softcap_ce_held.md. Any CUDA machine wit
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from creditlab.kernels._triton import tl, triton  # noqa: E402
 from creditlab.loss import HEAD_GRAD_FP8, HEAD_GRAD_SCALE, softcap_ce_rows as torch_rows  # noqa: E402
 from creditlab.runtime import gpu_benchmark_folder, largest_relative_error, write_benchmark  # noqa: E402
 from fp8_head import alternated_rounds  # noqa: E402
+from softcap_ce import chunk_problem  # noqa: E402
 
 CAP = 15.0
 # the kernels below stay plain functions where Triton is missing (the script then refuses to run)
@@ -138,6 +138,16 @@ def _load_hinted(row_ptr, cols, vocab, padded, WIDE: tl.constexpr, POLICY: tl.co
 
 
 @jit
+def _block(row_ptr, cols, ahead, vocab, padded, BLOCK: tl.constexpr, PREFETCH: tl.constexpr, WIDE: tl.constexpr,
+           POLICY: tl.constexpr):
+    """(this block, the one loaded ahead): with PREFETCH the block loaded one step before and the next one's load
+    issued now; else this block's load, now."""
+    if PREFETCH:
+        return ahead, _load_hinted(row_ptr, cols + BLOCK, vocab, padded, WIDE, POLICY)
+    return _load_hinted(row_ptr, cols, vocab, padded, WIDE, POLICY), ahead
+
+
+@jit
 def _two_pass(logits_ptr, grad_ptr, targets_ptr, loss_ptr, stride, cap, scale, vocab: tl.constexpr,
               padded: tl.constexpr, BLOCK: tl.constexpr, PREFETCH: tl.constexpr, HINTS: tl.constexpr,
               FMA_EXP2: tl.constexpr, FAST: tl.constexpr, WIDE: tl.constexpr):
@@ -160,11 +170,7 @@ def _two_pass(logits_ptr, grad_ptr, targets_ptr, loss_ptr, stride, cap, scale, v
     for start in range(0, vocab, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         valid = cols < vocab
-        if PREFETCH:
-            x = ahead
-            ahead = _load_hinted(logits_row, cols + BLOCK, vocab, padded, WIDE, FIRST)
-        else:
-            x = _load_hinted(logits_row, cols, vocab, padded, WIDE, FIRST)
+        x, ahead = _block(logits_row, cols, ahead, vocab, padded, BLOCK, PREFETCH, WIDE, FIRST)
         z = cap * softcap_ce._tanh(x * inv_cap, FAST)
         sum_e += tl.where(valid, tl.exp2((z - cap) * LOG2E), 0.0)
         target_z += tl.where(cols == target, z, 0.0)
@@ -175,11 +181,7 @@ def _two_pass(logits_ptr, grad_ptr, targets_ptr, loss_ptr, stride, cap, scale, v
     for start in range(0, padded, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         valid = cols < vocab
-        if PREFETCH:
-            x = ahead
-            ahead = _load_hinted(logits_row, cols + BLOCK, vocab, padded, WIDE, SECOND)
-        else:
-            x = _load_hinted(logits_row, cols, vocab, padded, WIDE, SECOND)
+        x, ahead = _block(logits_row, cols, ahead, vocab, padded, BLOCK, PREFETCH, WIDE, SECOND)
         t = softcap_ce._tanh(x * inv_cap, FAST)
         if FMA_EXP2:
             p = tl.where(valid, _exp2_fma((cap * t - lse) * LOG2E), 0.0)
@@ -230,18 +232,10 @@ def launcher(kw: dict):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--rows", type=int, default=8_192, help="rows of one chunk (the step's head-loss chunk)")
-    ap.add_argument("--vocab", type=int, default=12_289)
-    ap.add_argument("--padded", type=int, default=12_352)
-    args = ap.parse_args()
-    out = gpu_benchmark_folder(args.out)
-    if out is None:
+    problem = chunk_problem(__doc__.splitlines()[0], rows=8_192)
+    if problem is None:
         return 2
-    torch.manual_seed(0)
-    logits = (torch.randn(args.rows, args.padded, device="cuda") * 10).bfloat16()
-    targets = torch.randint(0, args.vocab, (args.rows,), device="cuda")
+    out, args, logits, targets = problem
     scale = 1.0 / args.rows
     ref_rows, ref_grad = torch_rows(logits.double(), targets, args.vocab, CAP, scale)
     ref_fp8 = ref_grad * (HEAD_GRAD_SCALE / scale)
