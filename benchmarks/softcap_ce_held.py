@@ -49,11 +49,14 @@ def _exp2_fma(x):
 
 
 @jit
-def _load(row_ptr, cols, valid, padded, WIDE: tl.constexpr):
-    """WIDE: masked at the padded width, as the kernel loads (wide loads); else at the vocabulary, as it did."""
+def _load_hinted(row_ptr, cols, vocab, padded, WIDE: tl.constexpr, POLICY: tl.constexpr):
+    """A block of logits in float32, zero past the vocabulary: WIDE, the kernel's own load (masked at the padded
+    width); else the load the kernel made before, masked at the vocabulary (the same SASS: 2-byte loads and
+    stores)."""
+    valid = cols < vocab
     if WIDE:
-        return softcap_ce._load_row(row_ptr, cols, valid, padded, "")
-    return tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+        return softcap_ce._load_row(row_ptr, cols, valid, padded, POLICY)
+    return tl.load(row_ptr + cols, mask=valid, other=0.0, eviction_policy=POLICY).to(tl.float32)
 
 
 @jit
@@ -64,7 +67,7 @@ def _held_piece(row_ptr, start, SIZE: tl.constexpr, vocab, padded, cap, inv_cap,
     LOG2E: tl.constexpr = 1.4426950408889634
     cols = start + tl.arange(0, SIZE)
     valid = cols < vocab
-    t = softcap_ce._tanh(_load(row_ptr, cols, valid, padded, WIDE) * inv_cap, FAST)
+    t = softcap_ce._tanh(_load_hinted(row_ptr, cols, vocab, padded, WIDE, "") * inv_cap, FAST)
     e = tl.where(valid, tl.exp2((cap * t - cap) * LOG2E), 0.0)
     slope = 1.0 - t * t
     here = cols == target
@@ -96,8 +99,7 @@ def _softcap_ce_rows_held(logits_ptr, grad_ptr, targets_ptr, loss_ptr, stride, c
         w2, s2, z2, d2 = _held_piece(logits_row, P1, P2, vocab, padded, cap, inv_cap, target, FAST, WIDE)
         sum_e, target_z, target_slope = sum_e + s2, target_z + z2, target_slope + d2
     if P3 > 0:
-        w3, s3, z3, d3 = _held_piece(logits_row, P1 + P2, P3, vocab, padded, cap, inv_cap, target, FAST,
-                                              WIDE)
+        w3, s3, z3, d3 = _held_piece(logits_row, P1 + P2, P3, vocab, padded, cap, inv_cap, target, FAST, WIDE)
         sum_e, target_z, target_slope = sum_e + s3, target_z + z3, target_slope + d3
     tl.store(loss_ptr + row, cap + tl.log(sum_e) - target_z)
     per_e, target_term = scale / sum_e, scale * target_slope
@@ -128,13 +130,6 @@ def held(logits, targets, vocab, cap, scale, warps=8, max_registers=None, wide=T
                                 padded=padded, P1=first, P2=second, P3=third, FAST=logits.is_cuda, WIDE=wide,
                                 **launch)
     return loss, grad
-
-
-@jit
-def _load_hinted(row_ptr, cols, vocab, padded, WIDE: tl.constexpr, POLICY: tl.constexpr):
-    valid = cols < vocab
-    x = tl.load(row_ptr + cols, mask=cols < padded if WIDE else valid, other=0.0, eviction_policy=POLICY)
-    return tl.where(valid, x.to(tl.float32), 0.0)
 
 
 @jit
@@ -254,7 +249,8 @@ def main() -> int:
                                         grad_dtype=HEAD_GRAD_FP8)
                 want = ref_fp8
             rows, g = call()
-            checks[key] = {"loss": largest_relative_error(rows, ref_rows), "grad": largest_relative_error(g.float(), want),
+            checks[key] = {"loss": largest_relative_error(rows, ref_rows),
+                           "grad": largest_relative_error(g.float(), want),
                            "padding_zero": bool((g[:, args.vocab:].float() == 0).all())}
             runs[key] = call
     times = alternated_rounds(runs)
@@ -267,7 +263,8 @@ def main() -> int:
              "Ten alternated rounds of five calls. TB/s: one read of the logits and one write of the gradient "
              "(bf16; the e5m2 gradient writes half). Errors: the largest entry's difference from float64 over the "
              "float64 result's largest entry.", "",
-             "| variant | ms | TB/s | over the kernel, per round (range) | loss error | gradient error | padding zero |",
+             "| variant | ms | TB/s | over the kernel, per round (range) | loss error | gradient error "
+             "| padding zero |",
              "|---|---|---|---|---|---|---|"]
     for key, ms in times.items():
         grad = "bf16" if key.endswith("bf16 gradient") else "e5m2"
