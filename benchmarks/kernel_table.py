@@ -26,8 +26,11 @@ CLASSES = [
      or (n.startswith("triton") and "cat" in n and ("neg" in n or "split" in n))),
     ("ReLU^2 (plain MLP)", lambda n: n.startswith("triton") and ("relu" in n or "threshold" in n or "le_" in n)
      and "dgrad" not in n),
+    # before the norms: the compiler fused the token embedding's backward (an atomic add per element) with the
+    # first norm's, so its name also says mean; the sorted backward's kernel and its sort are counted here too
+    ("embeddings", lambda n: (n.startswith("triton") and "embedding" in n) or n.startswith("_embedding_grads")
+     or "RadixSort" in n),
     ("norms", lambda n: n.startswith("_norm_decode") or (n.startswith("triton") and ("rsqrt" in n or "mean" in n))),
-    ("embeddings", lambda n: n.startswith("triton") and "embedding" in n),
     ("the teacher's fit (Triton)", lambda n: n.startswith("_fit_rows")),
     ("other generated pointwise / reductions", lambda n: n.startswith("triton")),
     ("optimizer and eager elementwise", lambda n: "at::native" in n or "multi_tensor" in n or "foreach" in n),

@@ -264,6 +264,8 @@ ARMS_FIGURES = [
     ("arms_fit_lean_second_seed.json", "arms_fit_lean_second_seed.png", "the same tree, a second process"),
     ("arms_wide_ce_seed.json", "arms_wide_ce_seed.png",
      "credit arms, the head loss's cross-entropy with wide loads, 24 updates"),
+    ("arms_fused_embed_seed.json", "arms_fused_embed_seed.png",
+     "native with the sorted embedding backward (model.embed=fused, 64 x 128 blocks) and with autograd's, 32 updates"),
 ]
 
 
@@ -354,6 +356,30 @@ def plot_softcap_variants(results: Path, out: Path, name: str) -> Path:
     return _save(fig, out / name)
 
 
+def plot_embedding_grad(results: Path, out: Path, name: str) -> Path:
+    """The embedding tables' backward, one micro-batch, in ms (medians of alternated rounds): the lookups'
+    forward + backward less the forward alone, and the kernel configurations' sort and tables alone, for the
+    two ways of drawing the ids."""
+    data = json.loads(results.read_text())["results"]
+    kinds = list(data)
+    names = [n for n in data[kinds[0]]["variants"] if n != "forward alone"]
+    fig, ax = plt.subplots(figsize=(10, 0.42 * len(names) + 1.6))
+    for j, (kind, color) in enumerate(zip(kinds, ("#4c72b0", "#dd8452"))):
+        variants = data[kind]["variants"]
+        for i, variant in enumerate(names):
+            ms = variants[variant]["ms"] - (variants["forward alone"]["ms"] if "forward + backward" in variant else 0)
+            ax.barh(i + (j - 0.5) * 0.38, ms, height=0.36, color=color, label=f"ids {kind}" if i == 0 else None)
+    compiled = data[kinds[0]]["variants"]
+    ax.axvline(compiled[names[0]]["ms"] - compiled["forward alone"]["ms"], color="black", lw=0.8)
+    ax.set_yticks(range(len(names)), names, fontsize=7)
+    ax.invert_yaxis()
+    ax.set(xlabel="backward ms per micro-batch (line: compiled autograd's, synthetic ids)",
+           title="the four embedding tables' backward, one micro-batch of 64 x 2,048 ids, one H200\n"
+                 "lookups: forward + backward less the forward; kernels: the sort and four tables alone")
+    ax.legend(fontsize=8, loc="lower right")
+    return _save(fig, out / name)
+
+
 def step_lines(log: Path) -> list[dict]:
     """Rank 0's step lines of a `creditlab train` log as rows: update, kind, seconds."""
     rows = []
@@ -418,6 +444,7 @@ def main() -> None:
     print(plot_fit_variants(results / "fit_rows_variants_seed.json", out, "fit_rows_variants_seed.png",
                             "lean, M per tile, 4 warps, Gram in bf16"))
     print(plot_softcap_variants(results / "softcap_ce_held_seed.json", out, "softcap_ce_held_seed.png"))
+    print(plot_embedding_grad(results / "embedding_grad_seed.json", out, "embedding_grad_seed.png"))
     print(plot_kernel_bandwidth(results / "kernel_bandwidth_seed.json", out, "kernel_bandwidth_seed.png"))
     print(plot_kernel_classes({"native, before the fused modules": results / "profile_native_busy_seed.txt",
                                "native now": results / "profile_native_final_busy_seed.txt",

@@ -48,6 +48,10 @@ class ModelConfig:
     # the logits' gradient in e5m2, one scale each; a precision choice, not exact arithmetic, whose learning is
     # measured apart (benchmarks/native_seed.md). Evaluation keeps the plain precision either way.
     head: str = "plain"
+    # plain: each embedding lookup as autograd records it; fused: the token and value-embedding lookups as one
+    # operation whose backward sorts the ids once and adds each token's summed gradient rows to its table row
+    # (embedding.py, Triton on CUDA): twice as fast alone, no faster in the step (benchmarks/native_seed.md)
+    embed: str = "plain"
 
     @property
     def recompute_parts(self) -> frozenset[str]:
@@ -116,10 +120,10 @@ class CreditConfig:
 
 
 RECOMPUTE_PARTS = ("norm", "qk", "mlp")
-MLPS = ("fused", "plain")  # also the choices of model.qk, credit.decode and credit.fit_rows
+MLPS = ("fused", "plain")  # also the choices of model.qk, model.embed, credit.decode and credit.fit_rows
 NORMS = ("plain", "keep_output")
 HEADS = ("plain", "fp8")
-MODEL_CHOICES = {"mlp": MLPS, "qk": MLPS, "norm": NORMS, "head": HEADS}
+MODEL_CHOICES = {"mlp": MLPS, "qk": MLPS, "norm": NORMS, "head": HEADS, "embed": MLPS}
 # (key, value, recompute part, what it keeps): with model.<key>=<value> that part has nothing to recompute
 LEAN_MODULES = (("mlp", "fused", "mlp", "the fused MLP keeps only ReLU^2's output"),
                 ("qk", "fused", "qk", "the fused QK-norm keeps only what attention keeps"),
@@ -228,7 +232,7 @@ class Config:
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
         cfg = cls()
-        for fused in ("mlp", "qk", "norm"):
+        for fused in ("mlp", "qk", "norm", "embed"):
             if "model" in d and fused not in d["model"]:
                 setattr(cfg.model, fused, "plain")  # a record from before the lean module: it ran the plain one
         if "train" in d and "muon" not in d["train"]:

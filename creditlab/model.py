@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from creditlab.config import ModelConfig
+from creditlab.embedding import lookups
 from creditlab.loss import head_loss, head_loss_sum
 from creditlab.qk_norm import qk_norm_rotary
 from creditlab.relu2 import expand_relu2, project_relu2
@@ -249,8 +250,9 @@ class GPT(nn.Module):
         # Under autocast the residual stream is carried in the autocast dtype, as modded-nanogpt does in bf16:
         # it halves what the backward keeps and what every pointwise op moves.
         dtype = torch.get_autocast_dtype("cuda") if idx.is_cuda and torch.is_autocast_enabled("cuda") else None
-        x = x0 = norm(self.embed(idx).to(dtype))
-        ves = [table(idx).to(dtype) for table in self.value_embeds]
+        x0, *ves = lookups(idx, [self.embed.weight] + [table.weight for table in self.value_embeds], dtype,
+                           fused=self.cfg.embed == "fused")
+        x = x0 = norm(x0)
         skips = []
         L = self.cfg.layers
         for i, block in enumerate(self.blocks):

@@ -24,6 +24,7 @@ def test_summary_leaves_out_each_kinds_compiling_update_and_scales_against_one_p
     assert "| two | 2 | native | 1.1000 | 180 | 0.900 |" in text  # 180 / (2 * 100)
 
 
+@pytest.mark.slow
 def test_the_script_runs_its_three_runs_on_two_cpu_processes(tmp_path, monkeypatch):
     ddp = load("ddp")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -39,6 +40,7 @@ def test_the_script_runs_its_three_runs_on_two_cpu_processes(tmp_path, monkeypat
     assert "| single_native | 1 | native |" in (tmp_path / "ddp.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_run_past_its_time_is_stopped_with_all_its_processes(tmp_path, monkeypatch):
     """A timed-out run must not leave workers behind to run on into the next run's timings."""
     ddp = load("ddp")

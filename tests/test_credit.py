@@ -416,6 +416,7 @@ def test_low_precision_fit_products_match_float32_within_bf16_rounding():
         assert 0 < rel < 2e-2, rel  # measured 1e-3 to 4e-3
 
 
+@pytest.mark.slow
 def test_compiled_code_objective_gives_the_eager_gradients():
     """The teacher's code-space step runs compiled on the GPU; compiled, its gradients into the projection and
     the mean gate are the eager ones (float64)."""
@@ -544,8 +545,11 @@ def train_eager_and_compiled(overrides: list[str], monkeypatch) -> tuple[list, d
     return rows, losses, params
 
 
-@pytest.mark.parametrize("name, fit", [("learned", "adam"), ("dni", "adam"), ("learned", "lstsq"), ("dni", "lstsq"),
-                                       ("typed", "lstsq"), ("fitted_feedback", "lstsq"), ("fitted_feedback", "adam")])
+# one case in the quick run, the rest with the long tests (pytest -m slow)
+@pytest.mark.parametrize("name, fit", [("learned", "adam")] + [
+    pytest.param(*case, marks=pytest.mark.slow) for case in (("dni", "adam"), ("learned", "lstsq"), ("dni", "lstsq"),
+                                                             ("typed", "lstsq"), ("fitted_feedback", "lstsq"),
+                                                             ("fitted_feedback", "adam"))])
 def test_fitted_sources_train_the_same_through_the_compiler(name, fit, monkeypatch):
     """On the GPU the step is compiled by default; here the compiler traces the same step (teacher and synthetic
     micro-batches, the fits' autograd Functions)."""
@@ -558,7 +562,7 @@ def test_fitted_sources_train_the_same_through_the_compiler(name, fit, monkeypat
     assert any(p.abs().max() > 0 for k, p in params[True].items() if k.endswith("decoders"))
 
 
-@pytest.mark.parametrize("name, qk", [("learned", "plain"), ("learned", "fused")])
+@pytest.mark.parametrize("name, qk", [pytest.param("learned", "plain", marks=pytest.mark.slow), ("learned", "fused")])
 def test_the_fused_modules_train_the_same_through_the_compiler(name, qk, monkeypatch):
     """The fused MLP's and QK-norm's Functions (relu2.py, qk_norm.py) through the compiler, in teacher (exact) and
     synthetic (omitting) micro-batches. Three updates: the compiled backward may sum a gradient's contributions in another order than
@@ -645,7 +649,7 @@ def test_a_gate_merged_into_the_wrong_rows_is_caught():
     assert max(checks._rel_errors(wrong, right).values()) > 1e-3
 
 
-@pytest.mark.parametrize("option", ["credit.decode=fused", "credit.gates=merged"])
+@pytest.mark.parametrize("option", ["credit.decode=fused", pytest.param("credit.gates=merged", marks=pytest.mark.slow)])
 def test_the_fused_decode_and_merged_gates_compile_to_one_graph_and_train_as_eager(option, monkeypatch):
     cfg = load("tiny", ["model.vocab_size=97", "credit.source=learned", option])
     source = make_source(cfg)

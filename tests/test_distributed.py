@@ -27,7 +27,7 @@ def _run_train(out: Path, processes: int, overrides: list[str]) -> subprocess.Co
     return done
 
 
-@pytest.mark.parametrize("source", ["exact", "learned"])
+@pytest.mark.parametrize("source", ["exact", pytest.param("learned", marks=pytest.mark.slow)])
 def test_torchrun_two_processes_train(tmp_path, source):
     out = _run_train(tmp_path, 2, ["model.vocab_size=97", "train.updates=3", "credit.teacher_every=2",
                                    f"credit.source={source}"])
@@ -52,6 +52,7 @@ def _largest_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.
     return max(((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-300)).item() for k in b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["exact", "zero"])
 def test_two_processes_equal_one_with_the_doubled_micro_batch(tmp_path, source):
     """Data parallelism changes nothing but where the work runs: two ranks of micro-batch 2 read the windows one

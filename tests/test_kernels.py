@@ -157,7 +157,7 @@ def test_the_fit_rows_operator_declares_its_shapes_truthfully(report):
 def _hopper_cases():
     """(kernel, its arguments' types in order, constants, warps) at the seed shape, for the kernels that take plain
     pointers (the fused MLP's takes TMA descriptors, made on a GPU)."""
-    from creditlab.kernels import fit_rows, norm_decode, qk_norm_rotary as qk, softcap_ce, tiled_transpose
+    from creditlab.kernels import embedding_grad, fit_rows, norm_decode, qk_norm_rotary as qk, softcap_ce, tiled_transpose
 
     tiles = fit_rows.DEFAULT_TILES
     return {
@@ -176,6 +176,9 @@ def _hopper_cases():
         "softcap_ce_fp8": (softcap_ce._softcap_ce_rows, ["*bf16", "*fp8e5", "*i64", "*fp32", "i32", "fp32", "fp32"],
                            {"vocab": 12289, "padded": 12352, "BLOCK": softcap_ce.DEFAULT_BLOCK, "FAST": True,
                             "STAGES": softcap_ce.DEFAULT_STAGES}, softcap_ce.DEFAULT_WARPS),
+        "embedding_grad": (embedding_grad._embedding_grads, ["*i32", "*i64", "*bf16", "*fp32", "i32"],
+                           {"width": 512, "BLOCK_ROWS": embedding_grad.BLOCK_ROWS,
+                            "BLOCK_COLS": embedding_grad.BLOCK_COLS, "FLOAT32": False}, embedding_grad.WARPS),
         "transpose": (tiled_transpose._transpose, ["*u8", "*u8", "i32", "i32"], {"BLOCK": tiled_transpose.BLOCK},
                       tiled_transpose.WARPS),
         "norm_decode": (norm_decode._norm_decode_backward, ["*bf16", "*bf16", "*bf16", "*fp32", "*bf16", "*bf16", "*bf16",
@@ -187,7 +190,7 @@ def _hopper_cases():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["fit_rows", "qk_forward", "qk_backward", "softcap_ce", "softcap_ce_fp8", "transpose",
-                                  "norm_decode"])
+                                  "norm_decode", "embedding_grad"])
 def test_each_kernel_compiles_for_hopper(name):
     """Through Triton's whole compiler to a cubin for sm_90 at the seed shape's constants, on the CPU: what the
     interpreter lets pass (a global that is not a constexpr, a shape past the shared memory) fails here."""
@@ -209,3 +212,25 @@ def test_each_kernel_compiles_for_hopper(name):
             pytest.skip(str(error))
         raise
     assert compiled.asm["cubin"] and compiled.metadata.shared <= 227 * 1024
+
+
+@pytest.mark.parametrize("case", ["embedding_zipf", "embedding_one_token", "embedding_distinct", "embedding_few_tokens"])
+def test_the_sorted_embedding_gradient_is_float64_index_add(report, case):
+    # bf16 rows summed in float32: a run of 100 rows of unit scale rounds at about 1e-6
+    r = report[case]
+    assert r["dtype"] == "torch.float32" and r["abs"] < 2e-6 * max(r["scale"], 1.0), r
+
+
+def test_the_embedding_gradients_comparison_fails_for_the_wrong_rows(report):
+    r = report["embedding_unsorted_order"]  # the ids' permutation replaced by the identity
+    assert r["abs"] > 0.1 * r["scale"], r
+
+
+def test_the_fused_lookups_through_the_kernel_give_autograds_table_gradients(report):
+    r = dict(report["embedding_lookups"])
+    assert r.pop("out_dtype_bf16") == 1.0
+    assert len(r) == 3 and max(r.values()) < 1e-5, r
+
+
+def test_the_lookups_backward_operator_declares_its_shapes_truthfully(report):
+    assert all(report["embedding_opcheck"].values()), report["embedding_opcheck"]

@@ -272,7 +272,8 @@ def test_the_model_compiles_to_one_graph(mlp, qk, norm):
     # Functions once broke the graph at every MLP: 3,772 kernels per seed update instead of about 3,200).
     from creditlab.credit.sources import OmitCredit
 
-    cfg = config.load("tiny", ["model.vocab_size=97", f"model.mlp={mlp}", f"model.qk={qk}", f"model.norm={norm}"] +
+    cfg = config.load("tiny", ["model.vocab_size=97", f"model.mlp={mlp}", f"model.qk={qk}", f"model.norm={norm}",
+                               f"model.embed={'fused' if qk == 'fused' else 'plain'}"] +
                       (["model.recompute=mlp"] if mlp == "plain" else []))
     model = GPT(cfg.model)
     idx = torch.randint(0, 97, (2, 16))
@@ -314,3 +315,40 @@ def test_the_fp8_head_trains_the_same_model_through_quantized_products():
     assert 1e-4 < relative < 0.1, relative
     with torch.no_grad():
         assert fp8.loss_sum(idx, tgt).item() == plain.loss_sum(idx, tgt).item()
+
+
+def _embedding_grads(cfg, idx, tgt):
+    model = randomize(GPT(cfg).double())
+    model(idx, tgt).backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+def test_the_fused_lookups_give_autograds_gradients_in_float64():
+    # model.embed=fused: the token and value tables' backward as one operation (its CPU path, index_add); every
+    # parameter's gradient equals the plain lookups', with the inputs' frequent repeats of a few ids
+    idx, tgt = tokens(small_cfg(), batch=2, seed=3)
+    idx[0, :9] = 5
+    idx[1, 4:] = 5
+    fused = _embedding_grads(small_cfg("model.embed=fused"), idx, tgt)
+    plain = _embedding_grads(small_cfg("model.embed=plain"), idx, tgt)
+    assert fused.keys() == plain.keys()
+    for name in plain:
+        assert torch.allclose(fused[name], plain[name], rtol=1e-12, atol=1e-14), name
+    # the comparison can fail: another input's gradients differ in the tables
+    other = _embedding_grads(small_cfg("model.embed=plain"), idx.roll(1, dims=1), tgt)
+    assert not torch.allclose(other["embed.weight"], plain["embed.weight"], rtol=1e-6)
+
+
+def test_fused_lookups_refuse_tables_of_different_vocabularies():
+    from creditlab.embedding import lookups
+
+    with pytest.raises(ValueError, match="one vocabulary"):
+        lookups(torch.zeros(3, dtype=torch.long), [torch.zeros(5, 4), torch.zeros(6, 4)])
+
+
+def test_a_record_from_before_the_fused_lookups_reads_plain():
+    d = config.load("tiny").to_dict()
+    del d["model"]["embed"]
+    assert config.Config.from_dict(d).model.embed == "plain"
+    d["model"]["embed"] = "fused"
+    assert config.Config.from_dict(d).model.embed == "fused"
