@@ -93,6 +93,7 @@ MODIFIERS = {
     "grouped_muon": ["train.muon=grouped"],  # Muon's matrices of one shape orthogonalized together
     "torch_muon": ["train.muon=torch"],  # torch.optim.Muon, one matrix after another
     "fp8_head": ["model.head=fp8"],  # the head's three products on FP8 tensor cores (loss.py)
+    "no_prefetch": ["train.prefetch=false"],  # each update makes its first micro-batch after its opening sync
     "plain_embed": ["model.embed=plain"],  # the embedding lookups' backward as autograd records it
     "fused_embed": ["model.embed=fused"],  # the lookups' backward sorted and summed by token (embedding.py)
     "chunk4k": ["train.loss_chunk=4096"],

@@ -176,6 +176,10 @@ class TrainConfig:
     # Hopper and later; no gain measured, benchmarks/native_seed.md) | max-autotune-no-cudagraphs (also Triton matmuls with fused epilogues; compiles for many
     # minutes)
     sdpa: str = "auto"  # attention kernel: auto | flash | cudnn | efficient | math
+    # Make the next update's first micro-batch while the GPU still runs this update's last backward, not after
+    # the synchronization that opens the next update (a loader's pure batch_at, so its position stays what a
+    # checkpoint saves). Records from before read false.
+    prefetch: bool = True
     activation_budget: float = 1.0  # < 1: ask the compiler to recompute activations to fit this fraction
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 autocast on CUDA, float32 on CPU) | float32 | float64 | bf16
@@ -237,6 +241,8 @@ class Config:
                 setattr(cfg.model, fused, "plain")  # a record from before the lean module: it ran the plain one
         if "train" in d and "muon" not in d["train"]:
             cfg.train.muon = "torch"  # a record from before the grouped Muon: it ran torch's
+        if "train" in d and "prefetch" not in d["train"]:
+            cfg.train.prefetch = False  # a record from before the prefetch: each update made its first batch
         for section, values in d.items():
             for key, value in values.items():
                 _assign(cfg, f"{section}.{key}", value)

@@ -92,6 +92,7 @@ class Trainer:
         self.flops_per_token = flop_budget(cfg.model, max(cfg.credit.teacher_every, 2)).total_per_token
         self.peak_tflops = peak_tflops
         self.update_index = 0
+        self._ahead: tuple[int, torch.Tensor] | None = None  # (loader position, the batch made ahead for it)
         self.watch = LossWatch(cfg.model.vocab_size, cfg.train.stall_updates) if cfg.train.stall_updates else None
 
     def close(self) -> None:
@@ -102,11 +103,26 @@ class Trainer:
         if self.ddp is not None:
             self.ddp = self._forward = None
 
-    def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = self.loader.next()
+    def _to_device(self, batch: torch.Tensor) -> torch.Tensor:
         if self.runtime.is_cuda:
             batch = batch.pin_memory().to(self.runtime.device, non_blocking=True)
+        return batch
+
+    def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == self.loader.position:
+            batch = ahead[1]
+            self.loader.position += 1
+        else:
+            batch = self._to_device(self.loader.next())
         return batch[:, :-1], batch[:, 1:]
+
+    def _make_ahead(self) -> None:
+        """The next micro-batch, made now and taken by the next _batch() if the loader is still at its position.
+        The loader does not move: its position (what a checkpoint saves) counts only the batches taken."""
+        if self.cfg.train.prefetch and hasattr(self.loader, "batch_at"):
+            position = self.loader.position
+            self._ahead = (position, self._to_device(self.loader.batch_at(position)))
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, credit, scale: float) -> torch.Tensor:
         """Forward and backward of one micro-batch; gradients accumulate into .grad. Returns the loss."""
@@ -153,6 +169,8 @@ class Trainer:
                     credit = self.source.context(self, inputs, targets, kind, scale)
                     losses.append(self.forward_backward(inputs, targets, credit, scale))
                     self.source.after_backward(self, credit, kind)
+            # queued behind the last backward, so the host makes it while the GPU works
+            self._make_ahead()
             if not align:  # one timed region: no synchronization between the backward and the step
                 lr_scale, fit, loss = step()
         seconds, aligned = timed.seconds, None
@@ -250,6 +268,7 @@ class Trainer:
             self.source.teacher.load_state_dict(state["teacher"])
         self.plan.schedule.load_state_dict(state.get("schedule", {}))
         self.loader.load_state_dict(state["loader"])
+        self._ahead = None
         self.update_index = state["update"]
 
     def evaluate(self, evaluator, on_eval=None, say=print) -> None:

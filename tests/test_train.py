@@ -179,3 +179,51 @@ def test_records_identify_the_source_by_content(tmp_path):
     assert rt.source_sha256(tmp_path) == before
     (tmp_path / "sub" / "b.py").write_text("y = 3\n")
     assert rt.source_sha256(tmp_path) != before
+
+
+class CountingLoader(SyntheticLoader):
+    """The synthetic stream, counting what the trainer asks of it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.asked: list[int] = []
+
+    def batch_at(self, position: int) -> torch.Tensor:
+        self.asked.append(position)
+        return super().batch_at(position)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_the_next_updates_first_batch_is_made_ahead_and_the_loader_counts_only_what_was_taken(prefetch):
+    cfg = config.load("tiny", TINY + ["train.updates=3", "train.grad_accum=2", "train.dtype=float32",
+                                      f"train.prefetch={prefetch}"])
+    loader = CountingLoader(97, 8, 32, seed=3)
+    trainer = Trainer(cfg, loader=loader)
+    taken = []
+    trainer_batch = trainer._batch
+    trainer._batch = lambda: taken.append(trainer_batch()) or taken[-1]
+    trainer.run(progress=False)
+    # the same micro-batches in the same order either way
+    assert [torch.equal(x, SyntheticLoader(97, 8, 32, seed=3).batch_at(i)[:, :-1]) for i, (x, _) in enumerate(taken)] \
+        == [True] * 6
+    # the loader's position (what a checkpoint saves) counts the six taken, not the seventh made ahead
+    assert loader.position == 6 and trainer.state_dict()["loader"]["position"] == 6
+    # made ahead: the first micro-batch of updates 2, 3 and of a fourth, each once, before it was taken
+    assert loader.asked == ([0, 1, 2, 3, 4, 5, 6] if prefetch else [0, 1, 2, 3, 4, 5])
+    assert (trainer._ahead is not None) == prefetch
+
+
+def test_a_batch_made_ahead_for_another_position_is_not_taken():
+    cfg = config.load("tiny", TINY + ["train.updates=1", "train.dtype=float32"])
+    loader = SyntheticLoader(97, 8, 32, seed=3)
+    trainer = Trainer(cfg, loader=loader)
+    trainer.run(progress=False)
+    loader.position = 5  # e.g. restored from a checkpoint
+    inputs, _ = trainer._batch()
+    assert torch.equal(inputs, SyntheticLoader(97, 8, 32, seed=3).batch_at(5)[:, :-1]) and loader.position == 6
+
+
+def test_a_record_from_before_the_prefetch_reads_false():
+    d = config.load("tiny").to_dict()
+    del d["train"]["prefetch"]
+    assert config.Config.from_dict(d).train.prefetch is False and config.load("tiny").train.prefetch is True
