@@ -264,6 +264,8 @@ ARMS_FIGURES = [
     ("arms_fit_lean_second_seed.json", "arms_fit_lean_second_seed.png", "the same tree, a second process"),
     ("arms_wide_ce_seed.json", "arms_wide_ce_seed.png",
      "credit arms, the head loss's cross-entropy with wide loads, 24 updates"),
+    ("arms_prefetch_seed.json", "arms_prefetch_seed.png",
+     "train.prefetch on (native) and off"),
     ("arms_fused_embed_seed.json", "arms_fused_embed_seed.png",
      "native with the sorted embedding backward (model.embed=fused, 64 x 128 blocks) and with autograd's, 32 updates"),
 ]
