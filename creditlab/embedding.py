@@ -34,12 +34,17 @@ def _(ids, grads, vocab, dtype):
     return [g.new_empty((vocab, g.shape[-1]), dtype=dtype) for g in grads]
 
 
+def _lookup(ids: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    rows = F.embedding(ids, weight)
+    return rows if dtype is None else rows.to(dtype)
+
+
 class _Lookups(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ids, dtype, *weights):
         ctx.save_for_backward(ids)
         ctx.vocab, ctx.weight_dtype = weights[0].shape[0], weights[0].dtype
-        return tuple(F.embedding(ids, w) if dtype is None else F.embedding(ids, w).to(dtype) for w in weights)
+        return tuple(_lookup(ids, w, dtype) for w in weights)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -52,7 +57,7 @@ def lookups(ids: torch.Tensor, weights: list[torch.Tensor], dtype: torch.dtype |
     """[table[ids] for each table in weights] (all of one vocabulary and dtype), cast to dtype when it is given.
     fused: their backward as one operation (above); else as autograd records each lookup."""
     if not fused:
-        return [F.embedding(ids, w) if dtype is None else F.embedding(ids, w).to(dtype) for w in weights]
+        return [_lookup(ids, w, dtype) for w in weights]
     if len({(w.shape[0], w.dtype) for w in weights}) != 1:
         raise ValueError("fused lookups take tables of one vocabulary and dtype, got "
                          f"{[(tuple(w.shape), w.dtype) for w in weights]}")

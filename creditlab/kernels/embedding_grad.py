@@ -1,9 +1,9 @@
 """`embedding_grad`: an embedding table's gradient from the token ids sorted, shared by the tables read at them.
 
 A table's gradient adds each token's output-gradient row into that token's table row. Autograd's form, as the
-compiler generates it, is one floating-point atomic add per element of every row, and a micro-batch of text
-repeats its frequent tokens thousands of times, so those atomics queue on the same addresses. Here the ids are
-sorted once for all the tables; each program takes a block of sorted positions and a block of columns, gathers
+compiler generates it, is one floating-point atomic add per element of every row (measured: its time is the same
+for ids drawn as text repeats them and for ids that each come about eleven times). Here the ids are sorted once
+for all the tables; each program takes a block of sorted positions and a block of columns, gathers
 the gradient rows, sums each run of equal ids (a product with the runs' indicator matrix) and adds only the
 run's total: one atomic row per distinct token in a block instead of one per position.
 
