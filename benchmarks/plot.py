@@ -268,6 +268,8 @@ ARMS_FIGURES = [
      "train.prefetch on (native) and off"),
     ("arms_fused_embed_seed.json", "arms_fused_embed_seed.png",
      "native with the sorted embedding backward (model.embed=fused, 64 x 128 blocks) and with autograd's, 32 updates"),
+    ("arms_final_prefetch_seed.json", "arms_final_prefetch_seed.png",
+     "credit arms, micro-batches made ahead (the last screen's tree)"),
 ]
 
 
