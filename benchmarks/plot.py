@@ -448,6 +448,7 @@ def main() -> None:
     print(plot_fit_variants(results / "fit_rows_variants_seed.json", out, "fit_rows_variants_seed.png",
                             "lean, M per tile, 4 warps, Gram in bf16"))
     print(plot_softcap_variants(results / "softcap_ce_held_seed.json", out, "softcap_ce_held_seed.png"))
+    print(plot_softcap_variants(results / "softcap_ce_held_split_seed.json", out, "softcap_ce_held_split_seed.png"))
     print(plot_embedding_grad(results / "embedding_grad_seed.json", out, "embedding_grad_seed.png"))
     print(plot_kernel_bandwidth(results / "kernel_bandwidth_seed.json", out, "kernel_bandwidth_seed.png"))
     print(plot_kernel_classes({"native, before the fused modules": results / "profile_native_busy_seed.txt",

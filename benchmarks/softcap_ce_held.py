@@ -1,7 +1,8 @@
-"""The head loss's soft-capped cross-entropy kernel against variants: one pass (the row held on chip), and two
+"""The head loss's soft-capped cross-entropy kernel against variants: one pass (the row held on chip); two
 passes with the next block's load issued ahead, cache hints that keep a row in L2 for its second pass, or the
-second pass's exp2 on the FMA units; on one chunk of the step, alternated in one process, each variant's loss and
-gradient checked against float64 first.
+second pass's exp2 on the FMA units; the two passes as two kernels (the second over a 2-D grid of gradient
+blocks); on one chunk of the step, alternated in one process, each variant's loss and gradient checked against
+float64 first.
 
     python benchmarks/softcap_ce_held.py --out DIR [--rows 8192] [--vocab 12289] [--padded 12352]
 
@@ -197,6 +198,68 @@ def two_pass(logits, targets, vocab, cap, scale, block=512, warps=4, prefetch=Fa
     return loss, grad
 
 
+@jit
+def _split_lse(logits_ptr, targets_ptr, loss_ptr, lse_ptr, stride, n, cap, vocab: tl.constexpr,
+               padded: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr):
+    """The first pass as a kernel of its own: ROWS rows a program, each row's log-sum-exp and loss."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n
+    row_ptrs = logits_ptr + rows.to(tl.int64)[:, None] * stride
+    target = tl.load(targets_ptr + rows, mask=row_ok, other=0)
+    inv_cap = 1.0 / cap
+    sum_e = tl.zeros([ROWS, BLOCK], tl.float32)
+    target_z = tl.zeros([ROWS, BLOCK], tl.float32)
+    for start in range(0, vocab, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        valid = (cols < vocab)[None, :]
+        x = tl.load(row_ptrs + cols[None, :], mask=row_ok[:, None] & (cols < padded)[None, :], other=0.0)
+        z = cap * softcap_ce._tanh(tl.where(valid, x.to(tl.float32), 0.0) * inv_cap, FAST)
+        sum_e += tl.where(valid, tl.exp2((z - cap) * LOG2E), 0.0)
+        target_z += tl.where(cols[None, :] == target[:, None], z, 0.0)
+    lse = cap + tl.log(tl.sum(sum_e, axis=1))
+    tl.store(lse_ptr + rows, lse, mask=row_ok)
+    tl.store(loss_ptr + rows, lse - tl.sum(target_z, axis=1), mask=row_ok)
+
+
+@jit
+def _split_grad(logits_ptr, grad_ptr, targets_ptr, lse_ptr, stride, n, cap, scale, vocab: tl.constexpr,
+                padded: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr):
+    """The second pass as a kernel of its own, one (ROWS x BLOCK) block of the gradient a program: no loop, so
+    every block's load is in flight at once."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row_ok = rows < n
+    offsets = rows.to(tl.int64)[:, None] * stride + cols[None, :]
+    inside = row_ok[:, None] & (cols < padded)[None, :]
+    valid = (cols < vocab)[None, :]
+    target = tl.load(targets_ptr + rows, mask=row_ok, other=0)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    x = tl.load(logits_ptr + offsets, mask=inside, other=0.0, eviction_policy="evict_first")
+    t = softcap_ce._tanh(tl.where(valid, x.to(tl.float32), 0.0) * (1.0 / cap), FAST)
+    p = tl.where(valid, tl.exp2((cap * t - lse[:, None]) * LOG2E), 0.0)
+    g = (p - tl.where(cols[None, :] == target[:, None], 1.0, 0.0)) * (1.0 - t * t) * scale
+    tl.store(grad_ptr + offsets, g.to(grad_ptr.dtype.element_ty), mask=inside, eviction_policy="evict_first")
+
+
+def split(logits, targets, vocab, cap, scale, rows=1, block=1024, warps=4, grad_rows=1, grad_block=1024,
+          grad_warps=4, grad_dtype=None):
+    """The two passes as two kernels: the log-sum-exp of `rows` rows a program, then the gradient in
+    (grad_rows x grad_block) blocks over a 2-D grid."""
+    n, padded = logits.shape
+    grad = torch.empty_like(logits, dtype=grad_dtype or logits.dtype)
+    loss = torch.empty(n, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    fast = logits.is_cuda
+    _split_lse[(triton.cdiv(n, rows),)](logits, targets, loss, lse, logits.stride(0), n, float(cap), vocab=vocab,
+                                         padded=padded, ROWS=rows, BLOCK=block, FAST=fast, num_warps=warps)
+    _split_grad[(triton.cdiv(n, grad_rows), triton.cdiv(padded, grad_block))](
+        logits, grad, targets, lse, logits.stride(0), n, float(cap), float(scale), vocab=vocab, padded=padded,
+        ROWS=grad_rows, BLOCK=grad_block, FAST=fast, num_warps=grad_warps)
+    return loss, grad
+
+
 # (name, keyword arguments of kernels.softcap_ce_rows); the first is the base of every ratio
 VARIANTS = [
     ("the kernel: 1024 columns a step, 4 warps, wide loads, L2 hints", dict()),
@@ -214,6 +277,11 @@ VARIANTS = [
     ("one pass, 16 warps, 64 registers", dict(held=dict(warps=16, max_registers=64))),
     ("one pass, 8 warps, 128 registers, loads masked at the vocabulary", dict(held=dict(warps=8, max_registers=128,
                                                                                         wide=False))),
+    ("two kernels: 1 row x 1024 a step, then 1 x 1024 gradient blocks", dict(split=dict())),
+    ("two kernels: 2 rows x 1024, then 1 x 1024", dict(split=dict(rows=2))),
+    ("two kernels: 4 rows x 512, then 4 x 512", dict(split=dict(rows=4, block=512, grad_rows=4, grad_block=512))),
+    ("two kernels: 2 rows x 1024 at 8 warps, then 2 x 2048 at 8 warps",
+     dict(split=dict(rows=2, warps=8, grad_rows=2, grad_block=2048, grad_warps=8))),
 ]
 
 
@@ -221,6 +289,8 @@ def launcher(kw: dict):
     """The callable of a variant: kernels.softcap_ce_rows with its keywords, or one of the variants' kernels."""
     if "held" in kw:
         return lambda *a, grad_dtype=None: held(*a, grad_dtype=grad_dtype, **kw["held"])
+    if "split" in kw:
+        return lambda *a, grad_dtype=None: split(*a, grad_dtype=grad_dtype, **kw["split"])
     if "variant" in kw:
         return lambda *a, grad_dtype=None: two_pass(*a, grad_dtype=grad_dtype, **kw["variant"])
     return lambda *a, grad_dtype=None: softcap_ce.softcap_ce_rows(*a, grad_dtype=grad_dtype, **kw)
