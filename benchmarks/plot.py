@@ -268,6 +268,8 @@ ARMS_FIGURES = [
      "train.prefetch on (native) and off"),
     ("arms_fused_embed_seed.json", "arms_fused_embed_seed.png",
      "native with the sorted embedding backward (model.embed=fused, 64 x 128 blocks) and with autograd's, 32 updates"),
+    ("arms_gluon_dgrad_seed.json", "arms_gluon_dgrad_seed.png",
+     "the MLP's derivative product: Gluon kernel vs Triton's"),
     ("arms_final_prefetch_seed.json", "arms_final_prefetch_seed.png",
      "credit arms, micro-batches made ahead (the last screen's tree)"),
 ]
@@ -357,6 +359,34 @@ def plot_softcap_variants(results: Path, out: Path, name: str) -> Path:
            title="the head loss's soft-capped cross-entropy kernel against its variants\n"
                  "one chunk of 8,192 rows x 12,352 columns, bf16 logits, one H200; under 1: faster")
     ax.legend(fontsize=8, loc="upper right")
+    return _save(fig, out / name)
+
+
+def plot_dgrad_paths(results: list[Path], out: Path, name: str) -> Path:
+    """The MLP's derivative product, one micro-batch: each path's time over the step's Triton kernel per round
+    (median and range of alternated rounds), in each process."""
+    data = [json.loads(r.read_text())["paths"] for r in results]
+    names = list(data[0])
+    fig, ax = plt.subplots(figsize=(10, 0.36 * len(names) * len(data) + 1.4))
+    colors = ("#4c72b0", "#dd8452", "#55a868")
+    height = 0.8 / len(data)
+    for j, paths in enumerate(data):
+        for i, path in enumerate(names):
+            if path not in paths:
+                continue
+            r = paths[path]
+            y = i + (j - (len(data) - 1) / 2) * height
+            lo, hi = r["ratio_range"]
+            ax.barh(y, r["ratio_per_round"], height=height * 0.9, color=colors[j % len(colors)],
+                    label=f"process {j + 1}" if i == 0 else None)
+            ax.errorbar(r["ratio_per_round"], y, xerr=[[r["ratio_per_round"] - lo], [hi - r["ratio_per_round"]]],
+                        color="black", lw=0.8, capsize=2)
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.set_yticks(range(len(names)), [textwrap.fill(n, 70) for n in names], fontsize=7)
+    ax.invert_yaxis()
+    ax.set(xlabel="time over the step's Triton kernel, per round (median, range of 10 alternated rounds)",
+           title="the MLP's derivative product (dy W) * 2 sqrt(post)\n131,072 x 512 -> 2,048, bf16, one H200")
+    ax.legend(fontsize=8, loc="lower right")
     return _save(fig, out / name)
 
 
@@ -450,6 +480,8 @@ def main() -> None:
     print(plot_softcap_variants(results / "softcap_ce_held_seed.json", out, "softcap_ce_held_seed.png"))
     print(plot_softcap_variants(results / "softcap_ce_held_split_seed.json", out, "softcap_ce_held_split_seed.png"))
     print(plot_embedding_grad(results / "embedding_grad_seed.json", out, "embedding_grad_seed.png"))
+    print(plot_dgrad_paths([results / f"relu2_dgrad_hopper{n}_seed.json" for n in ("_second", "")], out,
+                           "relu2_dgrad_hopper_seed.png"))
     print(plot_kernel_bandwidth(results / "kernel_bandwidth_seed.json", out, "kernel_bandwidth_seed.png"))
     print(plot_kernel_classes({"native, before the fused modules": results / "profile_native_busy_seed.txt",
                                "native now": results / "profile_native_final_busy_seed.txt",

@@ -52,6 +52,10 @@ class ModelConfig:
     # operation whose backward sorts the ids once and adds each token's summed gradient rows to its table row
     # (embedding.py, Triton on CUDA): twice as fast alone, no faster in the step (benchmarks/native_seed.md)
     embed: str = "plain"
+    # The fused MLP's derivative product on CUDA: triton (kernels/relu2_matmul.py) or gluon, on compute
+    # capability 9 the Gluon kernel that brings the post tile in by TMA during the K loop
+    # (kernels/relu2_dgrad_hopper.py), elsewhere the same as triton (benchmarks/relu2_mlp.md)
+    mlp_dgrad: str = "triton"
 
     @property
     def recompute_parts(self) -> frozenset[str]:
@@ -123,7 +127,8 @@ RECOMPUTE_PARTS = ("norm", "qk", "mlp")
 MLPS = ("fused", "plain")  # also the choices of model.qk, model.embed, credit.decode and credit.fit_rows
 NORMS = ("plain", "keep_output")
 HEADS = ("plain", "fp8")
-MODEL_CHOICES = {"mlp": MLPS, "qk": MLPS, "norm": NORMS, "head": HEADS, "embed": MLPS}
+MLP_DGRADS = ("triton", "gluon")
+MODEL_CHOICES = {"mlp": MLPS, "qk": MLPS, "norm": NORMS, "head": HEADS, "embed": MLPS, "mlp_dgrad": MLP_DGRADS}
 # (key, value, recompute part, what it keeps): with model.<key>=<value> that part has nothing to recompute
 LEAN_MODULES = (("mlp", "fused", "mlp", "the fused MLP keeps only ReLU^2's output"),
                 ("qk", "fused", "qk", "the fused QK-norm keeps only what attention keeps"),

@@ -165,12 +165,13 @@ class MLP(nn.Module):
         self.recompute = "mlp" in cfg.recompute_parts
         # fused: ReLU^2 in the epilogues of the products on either side of it, only its output kept (relu2.py)
         self.activation = "relu2" if cfg.mlp == "fused" else None
+        self.dgrad = cfg.mlp_dgrad
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h: the credit context's product with W_fc (the omitted product): relu(n W_fc^T)^2 when fused, else
         n W_fc^T."""
         if self.activation == "relu2":
-            return project_relu2(h, self.proj.weight)
+            return project_relu2(h, self.proj.weight, self.dgrad)
         return self.proj(recomputed(self.recompute, relu_squared, h))
 
 

@@ -15,8 +15,9 @@ expansion's input-gradient product (credit/sketch.py) keeps receiving dL/dh as b
 `jvp` would break the compiled graph at every MLP): FDFA's forward-mode pass runs the plain MLP
 (credit/fdfa.py), which computes the same function.
 
-On CUDA, in bf16/fp16, the products run as one Triton kernel each (kernels/relu2_matmul.py); elsewhere (the CPU,
-float64 checks) as the torch arithmetic of the same formulas, so the convention is checked in float64.
+On CUDA, in bf16/fp16, the products run as one Triton kernel each (kernels/relu2_matmul.py; the derivative
+product, with model.mlp_dgrad=gluon on Hopper, as the Gluon kernel of kernels/relu2_dgrad_hopper.py); elsewhere
+(the CPU, float64 checks) as the torch arithmetic of the same formulas, so the convention is checked in float64.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from creditlab import kernels
-from creditlab.kernels import relu2_matmul
+from creditlab.kernels import relu2_dgrad_hopper, relu2_matmul
 
 
 def _kernel_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -55,6 +56,20 @@ def relu2_dgrad(dy: torch.Tensor, w: torch.Tensor, post: torch.Tensor) -> torch.
 
 
 @relu2_dgrad.register_fake
+def _(dy, w, post):
+    return dy.new_empty((dy.shape[0], w.shape[1]))
+
+
+@torch.library.custom_op("creditlab::relu2_dgrad_hopper", mutates_args=())
+def relu2_dgrad_hopper_op(dy: torch.Tensor, w: torch.Tensor, post: torch.Tensor) -> torch.Tensor:
+    """relu2_dgrad through the Gluon kernel where it runs (compute capability 9), else as relu2_dgrad."""
+    if _kernel_takes(dy, w) and post.dtype == dy.dtype and relu2_dgrad_hopper.available(dy) \
+            and dy.shape[1] % relu2_dgrad_hopper.BLOCK_K == 0:
+        return relu2_dgrad_hopper.relu2_dgrad(dy, w, post)
+    return relu2_dgrad(dy, w, post)
+
+
+@relu2_dgrad_hopper_op.register_fake
 def _(dy, w, post):
     return dy.new_empty((dy.shape[0], w.shape[1]))
 
@@ -98,10 +113,11 @@ class _ExpandReLU2(torch.autograd.Function):
 
 class _ProjectReLU2(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, post, weight):
+    def forward(ctx, post, weight, dgrad):
         w = weight.to(post.dtype)
         ctx.save_for_backward(post, w)
         ctx.weight_dtype = weight.dtype
+        ctx.dgrad = DGRADS[dgrad]
         return F.linear(post, w)
 
     @staticmethod
@@ -109,9 +125,12 @@ class _ProjectReLU2(torch.autograd.Function):
         post, w = ctx.saved_tensors
         dh = None
         if ctx.needs_input_grad[0]:  # dL/dh, not dL/dpost: the convention
-            dh = relu2_dgrad(_rows(dy), w.to(dy.dtype), _rows(post).to(dy.dtype)).view(post.shape)
+            dh = ctx.dgrad(_rows(dy), w.to(dy.dtype), _rows(post).to(dy.dtype)).view(post.shape)
         dw = (_rows(dy).t() @ _rows(post).to(dy.dtype)).to(ctx.weight_dtype)
-        return dh, dw
+        return dh, dw, None
+
+
+DGRADS = {"triton": relu2_dgrad, "gluon": relu2_dgrad_hopper_op}  # model.mlp_dgrad
 
 
 def expand_relu2(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -120,6 +139,7 @@ def expand_relu2(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _ExpandReLU2.apply(x, weight)
 
 
-def project_relu2(post: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """post W^T, handing `expand_relu2` dL/dh = (dL/dy W) * 2 sqrt(post)."""
-    return _ProjectReLU2.apply(post, weight)
+def project_relu2(post: torch.Tensor, weight: torch.Tensor, dgrad: str = "triton") -> torch.Tensor:
+    """post W^T, handing `expand_relu2` dL/dh = (dL/dy W) * 2 sqrt(post), by the kernel `dgrad` names
+    (model.mlp_dgrad)."""
+    return _ProjectReLU2.apply(post, weight, dgrad)

@@ -214,6 +214,52 @@ def test_each_kernel_compiles_for_hopper(name):
     assert compiled.asm["cubin"] and compiled.metadata.shared <= 227 * 1024
 
 
+def _compile_gluon_dgrad(stages: int):
+    """The Gluon derivative-product kernel through Triton's compiler to a cubin for sm_90 at the seed shape's
+    constants (dy 131,072 x 512, w 512 x 2,048), on the CPU."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compile as triton_compile
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from creditlab.kernels import relu2_dgrad_hopper as hopper
+
+    def descriptor(block):
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+        return f"tensordesc<bf16[{', '.join(map(str, block))}],{layout!r}>"
+
+    bm, bn, bk = hopper.BLOCK_M, hopper.BLOCK_N, hopper.BLOCK_K
+    constants = {"K_STEPS": 512 // bk, "EPILOGUE": hopper.EPILOGUE_RELU2_GRAD, "POST_STEP": 3, "STAGES": stages,
+                 "GROUP": hopper.GROUP_M, "num_warps": hopper.WARPS}
+    signature = {"a_desc": descriptor([bm, bk]), "b_desc": descriptor([bk, bn]), "post_desc": descriptor([bm, bn]),
+                 "c_desc": descriptor([bm, bn]), "M": "i32", "N": "i32"} | {k: "constexpr" for k in constants}
+    source = GluonASTSource(fn=hopper._dgrad_kernel, signature=signature, constexprs=constants)
+    try:
+        return triton_compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": hopper.WARPS})
+    except RuntimeError as error:  # no ptxas in this Triton install
+        if "ptxas" in str(error):
+            pytest.skip(str(error))
+        raise
+
+
+@pytest.mark.slow
+def test_the_gluon_derivative_product_compiles_for_hopper_within_its_shared_memory():
+    # Gluon has no interpreter: its arithmetic is checked against float64 on the GPU
+    # (benchmarks/relu2_dgrad_hopper.py); here, that the kernel compiles, issues warpgroup products and TMA
+    # copies, and fits the multiprocessor's 227 KB
+    compiled = _compile_gluon_dgrad(stages=3)
+    ptx = compiled.asm["ptx"]
+    assert compiled.asm["cubin"] and compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    # the check can fail: a fourth stage of operands (48 KB more) does not fit
+    try:
+        too_big = _compile_gluon_dgrad(stages=4).metadata.shared
+    except Exception as error:  # the compiler refuses the allocation itself
+        assert "shared" in str(error).lower() or "resource" in str(error).lower(), error
+    else:
+        assert too_big > 227 * 1024, too_big
+
+
 @pytest.mark.parametrize("case", ["embedding_zipf", "embedding_one_token", "embedding_distinct", "embedding_few_tokens"])
 def test_the_sorted_embedding_gradient_is_float64_index_add(report, case):
     # bf16 rows summed in float32: a run of 100 rows of unit scale rounds at about 1e-6

@@ -259,6 +259,27 @@ def test_no_forward_op_is_upcast_by_cuda_autocast(source):
     assert _upcast_by_cuda_autocast(lambda i: model.hidden(i, credit=credit_source.step()), idx) == []
 
 
+def test_the_gluon_derivative_product_option_gives_the_same_gradients_in_float64():
+    # model.mlp_dgrad=gluon routes the fused MLP's derivative product through its own operator, which off Hopper
+    # (and in float64) computes what model.mlp_dgrad=triton does: every parameter's gradient equal
+    idx, tgt = tokens(small_cfg(), batch=2, seed=4)
+    gluon = _embedding_grads(small_cfg("model.mlp_dgrad=gluon"), idx, tgt)
+    triton = _embedding_grads(small_cfg("model.mlp_dgrad=triton"), idx, tgt)
+    assert gluon.keys() == triton.keys()
+    for name in triton:
+        assert torch.allclose(gluon[name], triton[name], rtol=1e-12, atol=1e-14), name
+    other = _embedding_grads(small_cfg("model.mlp_dgrad=triton"), idx.roll(1, dims=1), tgt)
+    assert not torch.allclose(other["blocks.0.mlp.fc.weight"], triton["blocks.0.mlp.fc.weight"], rtol=1e-6)
+
+
+def test_a_record_from_before_the_gluon_option_reads_triton():
+    d = config.load("tiny").to_dict()
+    del d["model"]["mlp_dgrad"]
+    assert config.Config.from_dict(d).model.mlp_dgrad == "triton"
+    with pytest.raises(config.ConfigError, match="mlp_dgrad"):
+        config.load("tiny", ["model.mlp_dgrad=cuda"])
+
+
 def test_the_upcast_scan_flags_square():
     h = torch.randn(4, 8, dtype=torch.bfloat16)
     assert _upcast_by_cuda_autocast(lambda t: torch.relu(t).square(), h) == ["aten::pow.Tensor_Scalar"]
@@ -291,7 +312,9 @@ def test_the_fused_modules_operators_declare_their_outputs_truthfully():
     x, w, w_kn = torch.randn(6, 8, generator=g), torch.randn(10, 8, generator=g), torch.randn(8, 10, generator=g)
     qkv, cos, sin = torch.randn(2, 3, 24, generator=g), torch.randn(5, 2, generator=g), torch.randn(5, 2, generator=g)
     q, k, v, scales = qk_norm.forward_op(qkv, cos, sin, 2)
-    cases = [(relu2.relu2_linear, (x, w)), (relu2.relu2_dgrad, (x, w_kn, relu2.relu2_linear(x, w_kn.t()))),
+    post = relu2.relu2_linear(x, w_kn.t())
+    cases = [(relu2.relu2_linear, (x, w)), (relu2.relu2_dgrad, (x, w_kn, post)),
+             (relu2.relu2_dgrad_hopper_op, (x, w_kn, post)),
              (qk_norm.forward_op, (qkv, cos, sin, 2)), (qk_norm.backward_op, (q, k, v, q, k, scales, cos, sin))]
     for op, args in cases:
         result = torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

@@ -1,0 +1,99 @@
+"""The MLP's derivative product on Hopper: the Gluon kernel (the post tile brought in by TMA during the K loop,
+the result stored asynchronously) against the Triton kernel of the step, with and without the derivative
+epilogue, at the seed shape; alternated rounds in one process, each path's bf16 error against float64 first.
+
+    python benchmarks/relu2_dgrad_hopper.py --out DIR [--tokens 131072] [--width 512] [--hidden 2048]
+
+Writes DIR/relu2_dgrad_hopper.json and DIR/relu2_dgrad_hopper.md. Any CUDA machine of compute capability 9.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fp8_head import alternated_rounds  # noqa: E402
+
+from creditlab.kernels import relu2_dgrad_hopper as hopper  # noqa: E402
+from creditlab.kernels import relu2_matmul as rm  # noqa: E402
+from creditlab.runtime import gpu_benchmark_folder, largest_relative_error, write_benchmark  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tokens", type=int, default=131_072)  # one seed micro-batch: 64 x 2,048
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--hidden", type=int, default=2048)
+    args = ap.parse_args()
+    out = gpu_benchmark_folder(args.out)
+    if out is None:
+        return 2
+    M, d, m = args.tokens, args.width, args.hidden
+    torch.manual_seed(0)
+    x = torch.randn(M, d, device="cuda").bfloat16()
+    w_fc = (torch.rand(m, d, device="cuda") * 2 - 1).mul(3 ** 0.5 * d ** -0.5).bfloat16()
+    w_proj = (torch.randn(d, m, device="cuda") * m ** -0.5).bfloat16()
+    dy = (torch.randn(M, d, device="cuda") * 1e-3).bfloat16()
+    post = rm.relu2_linear(x, w_fc)
+    flop = 2 * M * d * m
+    want = (dy.double() @ w_proj.double()) * 2 * post.double().sqrt()
+    want_plain = dy.double() @ w_proj.double()
+
+    paths = {"Triton kernel + derivative epilogue (the step's)": (lambda: rm.relu2_dgrad(dy, w_proj, post), True),
+             "Triton kernel, no epilogue": (lambda: rm.matmul(dy, w_proj, True), False),
+             "cuBLAS product only": (lambda: dy @ w_proj, False)}
+    # (block_k, stages, the K step at which each tile's post tile is requested, group)
+    for bk, stages, post_step, group in ((64, 3, 3, 8), (64, 3, 3, 16), (64, 3, 2, 8), (64, 3, 4, 8), (64, 3, 3, 4),
+                                         (64, 3, 3, 1), (32, 6, 6, 8)):
+        paths[f"Gluon + derivative epilogue, K {bk} x {stages} stages, post requested at K step {post_step}, "
+              f"group {group}"] = (lambda bk=bk, st=stages, s=post_step, g=group: hopper.relu2_dgrad(
+                  dy, w_proj, post, post_step=s, group_m=g, stages=st, block_k=bk), True)
+    for bk, stages in ((64, 3), (32, 6)):
+        paths[f"Gluon, no epilogue, K {bk} x {stages} stages, group 8"] = (
+            lambda bk=bk, st=stages: hopper.relu2_dgrad(dy, w_proj, None, group_m=8, stages=st, block_k=bk), False)
+
+    runs, errors, failures = {}, {}, {}
+    for name, (fn, epilogue) in paths.items():
+        try:
+            got = fn()
+            torch.cuda.synchronize()
+        except Exception as error:  # a path that does not compile is reported, not fatal
+            failures[name] = "".join(traceback.format_exception_only(error))[-2000:]
+            print(f"{name}: failed\n{failures[name]}", flush=True)
+            continue
+        errors[name] = largest_relative_error(got, want if epilogue else want_plain)
+        runs[name] = fn
+    times = alternated_rounds(runs) if runs else {}
+    base = next(iter(times), None)
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "M": M, "K": d, "N": m,
+              "paths": {}, "failures": failures}
+    lines = [f"# The MLP's derivative product, {M:,} x {d} -> {m} bf16 ({torch.cuda.get_device_name()}, torch "
+             f"{torch.__version__})", "",
+             "Ten alternated rounds of five calls. Error: the largest entry's difference from float64 over the "
+             "float64 result's largest entry.", "",
+             "| path | ms | TFLOP/s | over the step's kernel, per round (range) | bf16 error |",
+             "|---|---|---|---|---|"]
+    for name, ms in times.items():
+        ratios = [t / b for t, b in zip(ms, times[base])]
+        median = statistics.median(ms)
+        result["paths"][name] = {"ms": ms, "median_ms": median, "ratio_per_round": statistics.median(ratios),
+                                 "ratio_range": [min(ratios), max(ratios)], "error": errors[name]}
+        lines.append(f"| {name} | {median:.4f} | {flop / median / 1e9:.0f} | {statistics.median(ratios):.3f} "
+                     f"({min(ratios):.3f} .. {max(ratios):.3f}) | {errors[name]:.1e} |")
+    for name, why in failures.items():
+        lines.append(f"| {name} | failed: {why.strip().splitlines()[-1][:200]} | | | |")
+    write_benchmark(out, "relu2_dgrad_hopper", result, lines)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""`relu2_dgrad` for Hopper, written in Gluon: (dy w) * 2 sqrt(post) with the post tile brought in by TMA while
+the tile's products run.
+
+The Triton kernel (`relu2_matmul.py`) reads the post tile after its K loop: the read cannot overlap the products,
+and loaded before the loop the tile would sit in registers across it. Here the post tile lands in shared memory
+by an asynchronous copy issued part-way through the tile's K loop, the epilogue writes the result over it in
+shared memory and stores it with an asynchronous copy that drains while the next tile's products run. Each
+program walks output tiles in the grouped order of the Triton kernel; the K loop runs as one flat stream of
+steps over all of a program's tiles, so the operand loads of the next tile are issued before this tile's
+epilogue.
+
+Shared memory at 128 x 256 x 64 tiles, 3 stages: 48 KB of A, 96 KB of B and 64 KB for the post / result tile.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:  # Gluon ships with Triton 3.4 and later
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # pragma: no cover - an install without Gluon
+    gluon = None
+else:  # Triton 3.9 renamed the TMA copies (the old names raise there)
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+BLOCK_M, BLOCK_N, BLOCK_K, STAGES, WARPS, GROUP_M = 128, 256, 64, 3, 8, 16
+EPILOGUE_NONE, EPILOGUE_RELU2_GRAD = 0, 2
+
+if gluon is not None:
+
+    @gluon.jit
+    def _tile_offsets(step, first, programs, tiles_m, tiles_n, BM: gl.constexpr, BN: gl.constexpr,
+                      K_STEPS: gl.constexpr, GROUP: gl.constexpr):
+        """The output tile of a program's flat step number, in the Triton kernel's grouped order."""
+        tile = first + (step // K_STEPS) * programs
+        in_group = GROUP * tiles_n
+        first_m = (tile // in_group) * GROUP
+        rows = min(tiles_m - first_m, GROUP)
+        return (first_m + (tile % in_group) % rows) * BM, ((tile % in_group) // rows) * BN
+
+    @gluon.jit
+    def _issue_operands(step, total, off_m, off_n, a_desc, b_desc, a_bufs, b_bufs, ready, K_STEPS: gl.constexpr,
+                        STAGES: gl.constexpr):
+        """The TMA loads of step `step`'s A and B tiles into stage step % STAGES (none past the last step)."""
+        BK: gl.constexpr = a_desc.block_type.shape[1]
+        live = step < total
+        stage = step % STAGES
+        bar = ready.index(stage)
+        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=live)
+        _tma_load(a_desc, [off_m, (step % K_STEPS) * BK], bar, a_bufs.index(stage), pred=live)
+        _tma_load(b_desc, [(step % K_STEPS) * BK, off_n], bar, b_bufs.index(stage), pred=live)
+
+    @gluon.jit
+    def _dgrad_kernel(a_desc, b_desc, post_desc, c_desc, M, N, K_STEPS: gl.constexpr, EPILOGUE: gl.constexpr,
+                      POST_STEP: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, num_warps: gl.constexpr):
+        BM: gl.constexpr = c_desc.block_type.shape[0]
+        BN: gl.constexpr = c_desc.block_type.shape[1]
+        BK: gl.constexpr = a_desc.block_type.shape[1]
+        dtype: gl.constexpr = a_desc.dtype
+        # one warpgroup instruction per 16 rows a warp, the whole tile's width
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                             instr_shape=[16, BN, 16])
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BN], b_desc.layout)
+        tile_buf = gl.allocate_shared_memory(dtype, [BM, BN], c_desc.layout)  # the post tile in, the result out
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        post_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(post_ready, count=1)
+
+        tiles_m = gl.cdiv(M, BM)
+        tiles_n = gl.cdiv(N, BN)
+        first = gl.program_id(0)
+        programs = gl.num_programs(0)
+        total = gl.cdiv(tiles_m * tiles_n - first, programs) * K_STEPS
+        # The loads run STAGES - 1 steps ahead of the products; a tile's offsets are worked out once, when the
+        # loads (then the products) reach its first step.
+        for step in gl.static_range(STAGES - 1):
+            p_m, p_n = _tile_offsets(step, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS, GROUP)
+            _issue_operands(step, total, p_m, p_n, a_desc, b_desc, a_bufs, b_bufs, ready, K_STEPS, STAGES)
+        p_m, p_n = _tile_offsets(STAGES - 2, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS, GROUP)
+        off_m, off_n = _tile_offsets(0, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS, GROUP)
+        acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
+        for step in range(total):
+            stage = step % STAGES
+            k_step = step % K_STEPS
+            if k_step == 0:
+                off_m, off_n = _tile_offsets(step, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS, GROUP)
+            mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+            acc = warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage), acc, use_acc=k_step > 0, is_async=True)
+            # the step before has finished reading its stage, which the load below refills
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            ahead = step + STAGES - 1
+            if ahead % K_STEPS == 0:
+                p_m, p_n = _tile_offsets(ahead, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS, GROUP)
+            _issue_operands(ahead, total, p_m, p_n, a_desc, b_desc, a_bufs, b_bufs, ready, K_STEPS, STAGES)
+            if k_step == min(POST_STEP, K_STEPS - 1):
+                # the previous tile's result has left the tile buffer: bring this tile's post into it
+                tma.store_wait(pendings=0)
+                if EPILOGUE == 2:
+                    mbarrier.expect(post_ready, post_desc.block_type.nbytes)
+                    _tma_load(post_desc, [off_m, off_n], post_ready, tile_buf)
+            if k_step == K_STEPS - 1:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                if EPILOGUE == 2:
+                    mbarrier.wait(post_ready, (step // K_STEPS) & 1)
+                    post = tile_buf.load(acc_layout).to(gl.float32)
+                    out = acc * (2.0 * gl.sqrt(post))
+                else:
+                    out = acc
+                tile_buf.store(out.to(dtype))
+                fence_async_shared()
+                _tma_store(c_desc, [off_m, off_n], tile_buf)
+        tma.store_wait(pendings=0)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(post_ready)
+
+
+def available(t: torch.Tensor) -> bool:
+    """Whether the Gluon kernel can run on t's device: a CUDA device of compute capability 9 with Gluon."""
+    return gluon is not None and t.is_cuda and torch.cuda.get_device_capability(t.device)[0] == 9
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _descriptor(t: torch.Tensor, block: list[int]):
+    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16
+                                                                                       if t.dtype == torch.bfloat16
+                                                                                       else gl.float16))
+
+
+def relu2_dgrad(dy: torch.Tensor, w: torch.Tensor, post: torch.Tensor | None, post_step: int = 3,
+                group_m: int = GROUP_M, stages: int = STAGES, block_k: int = BLOCK_K,
+                programs: int | None = None) -> torch.Tensor:
+    """(dy w) * 2 sqrt(post) for dy (M, K), w (K, N), post (M, N), all one 16-bit dtype; with post None, dy w
+    alone (the kernel's own speed). `post_step`: the K step of each tile at which its post tile is requested."""
+    M, K = dy.shape
+    N = w.shape[1]
+    if w.shape[0] != K or (post is not None and (post.shape != (M, N) or post.dtype != dy.dtype)):
+        raise ValueError(f"shapes differ: dy {tuple(dy.shape)}, w {tuple(w.shape)}, post "
+                         f"{None if post is None else tuple(post.shape)}")
+    if K % block_k:
+        raise ValueError(f"the inner dimension ({K}) must be a multiple of block_k ({block_k})")
+    dy, w = dy.contiguous(), w.contiguous()
+    out = torch.empty((M, N), dtype=dy.dtype, device=dy.device)
+    c_desc = _descriptor(out, [BLOCK_M, BLOCK_N])
+    post_desc = _descriptor(post.contiguous(), [BLOCK_M, BLOCK_N]) if post is not None else c_desc
+    tiles = triton_cdiv(M, BLOCK_M) * triton_cdiv(N, BLOCK_N)
+    grid = (min(tiles, programs or _multiprocessors(dy.device.index or 0)),)
+    _dgrad_kernel[grid](_descriptor(dy, [BLOCK_M, block_k]), _descriptor(w, [block_k, BLOCK_N]), post_desc, c_desc,
+                        M, N, K_STEPS=K // block_k, EPILOGUE=EPILOGUE_NONE if post is None else EPILOGUE_RELU2_GRAD,
+                        POST_STEP=post_step, STAGES=stages, GROUP=group_m, num_warps=WARPS)
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
