@@ -96,6 +96,7 @@ MODIFIERS = {
     "no_prefetch": ["train.prefetch=false"],  # each update makes its first micro-batch after its opening sync
     "plain_embed": ["model.embed=plain"],  # the embedding lookups' backward as autograd records it
     "gluon_dgrad": ["model.mlp_dgrad=gluon"],  # the MLP's derivative product as the Gluon kernel (Hopper)
+    "triton_dgrad": ["model.mlp_dgrad=triton"],  # ... as the Triton kernel, the default before
     "fused_embed": ["model.embed=fused"],  # the lookups' backward sorted and summed by token (embedding.py)
     "chunk4k": ["train.loss_chunk=4096"],
     "chunk16k": ["train.loss_chunk=16384"],

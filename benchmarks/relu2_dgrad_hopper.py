@@ -9,7 +9,6 @@ Writes DIR/relu2_dgrad_hopper.json and DIR/relu2_dgrad_hopper.md. Any CUDA machi
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import traceback
@@ -21,28 +20,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fp8_head import alternated_rounds  # noqa: E402
+from relu2_mlp import mlp_problem  # noqa: E402
 
 from creditlab.kernels import relu2_dgrad_hopper as hopper  # noqa: E402
 from creditlab.kernels import relu2_matmul as rm  # noqa: E402
-from creditlab.runtime import gpu_benchmark_folder, largest_relative_error, write_benchmark  # noqa: E402
+from creditlab.runtime import largest_relative_error, write_benchmark  # noqa: E402
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--tokens", type=int, default=131_072)  # one seed micro-batch: 64 x 2,048
-    ap.add_argument("--width", type=int, default=512)
-    ap.add_argument("--hidden", type=int, default=2048)
-    args = ap.parse_args()
-    out = gpu_benchmark_folder(args.out)
-    if out is None:
+    problem = mlp_problem(__doc__.splitlines()[0])
+    if problem is None:
         return 2
-    M, d, m = args.tokens, args.width, args.hidden
-    torch.manual_seed(0)
-    x = torch.randn(M, d, device="cuda").bfloat16()
-    w_fc = (torch.rand(m, d, device="cuda") * 2 - 1).mul(3 ** 0.5 * d ** -0.5).bfloat16()
-    w_proj = (torch.randn(d, m, device="cuda") * m ** -0.5).bfloat16()
-    dy = (torch.randn(M, d, device="cuda") * 1e-3).bfloat16()
+    out, (M, d, m), x, w_fc, w_proj, dy = problem
     post = rm.relu2_linear(x, w_fc)
     flop = 2 * M * d * m
     want = (dy.double() @ w_proj.double()) * 2 * post.double().sqrt()
@@ -51,15 +40,11 @@ def main() -> int:
     paths = {"Triton kernel + derivative epilogue (the step's)": (lambda: rm.relu2_dgrad(dy, w_proj, post), True),
              "Triton kernel, no epilogue": (lambda: rm.matmul(dy, w_proj, True), False),
              "cuBLAS product only": (lambda: dy @ w_proj, False)}
-    # (block_k, stages, the K step at which each tile's post tile is requested, group)
-    for bk, stages, post_step, group in ((64, 3, 3, 8), (64, 3, 3, 16), (64, 3, 2, 8), (64, 3, 4, 8), (64, 3, 3, 4),
-                                         (64, 3, 3, 1), (32, 6, 6, 8)):
-        paths[f"Gluon + derivative epilogue, K {bk} x {stages} stages, post requested at K step {post_step}, "
-              f"group {group}"] = (lambda bk=bk, st=stages, s=post_step, g=group: hopper.relu2_dgrad(
-                  dy, w_proj, post, post_step=s, group_m=g, stages=st, block_k=bk), True)
-    for bk, stages in ((64, 3), (32, 6)):
-        paths[f"Gluon, no epilogue, K {bk} x {stages} stages, group 8"] = (
-            lambda bk=bk, st=stages: hopper.relu2_dgrad(dy, w_proj, None, group_m=8, stages=st, block_k=bk), False)
+    # (the K step at which each tile's post tile is requested, group)
+    for post_step, group in ((3, 16), (3, 8), (2, 16), (5, 16)):
+        paths[f"Gluon + derivative epilogue, post requested at K step {post_step}, group {group}"] = (
+            lambda s=post_step, g=group: hopper.relu2_dgrad(dy, w_proj, post, post_step=s, group_m=g), True)
+    paths["Gluon, no epilogue"] = (lambda: hopper.relu2_dgrad(dy, w_proj, None), False)
 
     runs, errors, failures = {}, {}, {}
     for name, (fn, epilogue) in paths.items():

@@ -34,8 +34,10 @@ CONFIGS = [rm.TileConfig(),
            rm.TileConfig(block_n=128, stages=4, warps=4, subtiles=1)]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def mlp_problem(description: str):
+    """(output folder, (tokens, width, hidden), x, W_fc, W_proj, dy) of one seed micro-batch's MLP in bf16 on the
+    GPU, from the command line; None where no CUDA GPU is visible (said in one line)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", type=int, default=131_072)  # one seed micro-batch: 64 x 2,048
     ap.add_argument("--width", type=int, default=512)
@@ -43,13 +45,21 @@ def main() -> int:
     args = ap.parse_args()
     out = gpu_benchmark_folder(args.out)
     if out is None:
-        return 2
+        return None
     M, d, m = args.tokens, args.width, args.hidden
     torch.manual_seed(0)
     x = torch.randn(M, d, device="cuda").bfloat16()
     w_fc = (torch.rand(m, d, device="cuda") * 2 - 1).mul(3 ** 0.5 * d ** -0.5).bfloat16()
     w_proj = (torch.randn(d, m, device="cuda") * m ** -0.5).bfloat16()
     dy = (torch.randn(M, d, device="cuda") * 1e-3).bfloat16()
+    return out, (M, d, m), x, w_fc, w_proj, dy
+
+
+def main() -> int:
+    problem = mlp_problem(__doc__.splitlines()[0])
+    if problem is None:
+        return 2
+    out, (M, d, m), x, w_fc, w_proj, dy = problem
     flop = 2 * M * d * m
 
     @torch.compile

@@ -52,10 +52,11 @@ class ModelConfig:
     # operation whose backward sorts the ids once and adds each token's summed gradient rows to its table row
     # (embedding.py, Triton on CUDA): twice as fast alone, no faster in the step (benchmarks/native_seed.md)
     embed: str = "plain"
-    # The fused MLP's derivative product on CUDA: triton (kernels/relu2_matmul.py) or gluon, on compute
-    # capability 9 the Gluon kernel that brings the post tile in by TMA during the K loop
-    # (kernels/relu2_dgrad_hopper.py), elsewhere the same as triton (benchmarks/relu2_mlp.md)
-    mlp_dgrad: str = "triton"
+    # The fused MLP's derivative product on CUDA: gluon, on compute capability 9 the Gluon kernel that brings the
+    # post tile in by TMA during the K loop (kernels/relu2_dgrad_hopper.py), elsewhere the same as triton; triton:
+    # the Triton kernel, whose epilogue reads the post tile after the loop (kernels/relu2_matmul.py; records from
+    # before the option read triton; benchmarks/relu2_mlp.md)
+    mlp_dgrad: str = "gluon"
 
     @property
     def recompute_parts(self) -> frozenset[str]:
@@ -244,6 +245,8 @@ class Config:
         for fused in ("mlp", "qk", "norm", "embed"):
             if "model" in d and fused not in d["model"]:
                 setattr(cfg.model, fused, "plain")  # a record from before the lean module: it ran the plain one
+        if "model" in d and "mlp_dgrad" not in d["model"]:
+            cfg.model.mlp_dgrad = "triton"  # a record from before the Gluon kernel: it ran the Triton one
         if "train" in d and "muon" not in d["train"]:
             cfg.train.muon = "torch"  # a record from before the grouped Muon: it ran torch's
         if "train" in d and "prefetch" not in d["train"]:

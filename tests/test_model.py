@@ -263,13 +263,8 @@ def test_the_gluon_derivative_product_option_gives_the_same_gradients_in_float64
     # model.mlp_dgrad=gluon routes the fused MLP's derivative product through its own operator, which off Hopper
     # (and in float64) computes what model.mlp_dgrad=triton does: every parameter's gradient equal
     idx, tgt = tokens(small_cfg(), batch=2, seed=4)
-    gluon = _embedding_grads(small_cfg("model.mlp_dgrad=gluon"), idx, tgt)
-    triton = _embedding_grads(small_cfg("model.mlp_dgrad=triton"), idx, tgt)
-    assert gluon.keys() == triton.keys()
-    for name in triton:
-        assert torch.allclose(gluon[name], triton[name], rtol=1e-12, atol=1e-14), name
-    other = _embedding_grads(small_cfg("model.mlp_dgrad=triton"), idx.roll(1, dims=1), tgt)
-    assert not torch.allclose(other["blocks.0.mlp.fc.weight"], triton["blocks.0.mlp.fc.weight"], rtol=1e-6)
+    _assert_same_float64_gradients("model.mlp_dgrad=gluon", "model.mlp_dgrad=triton", idx, tgt,
+                                   "blocks.0.mlp.fc.weight")
 
 
 def test_a_record_from_before_the_gluon_option_reads_triton():
@@ -340,7 +335,7 @@ def test_the_fp8_head_trains_the_same_model_through_quantized_products():
         assert fp8.loss_sum(idx, tgt).item() == plain.loss_sum(idx, tgt).item()
 
 
-def _embedding_grads(cfg, idx, tgt):
+def _float64_grads(cfg, idx, tgt):
     model = randomize(GPT(cfg).double())
     model(idx, tgt).backward()
     return {name: p.grad for name, p in model.named_parameters()}
@@ -352,14 +347,20 @@ def test_the_fused_lookups_give_autograds_gradients_in_float64():
     idx, tgt = tokens(small_cfg(), batch=2, seed=3)
     idx[0, :9] = 5
     idx[1, 4:] = 5
-    fused = _embedding_grads(small_cfg("model.embed=fused"), idx, tgt)
-    plain = _embedding_grads(small_cfg("model.embed=plain"), idx, tgt)
-    assert fused.keys() == plain.keys()
-    for name in plain:
-        assert torch.allclose(fused[name], plain[name], rtol=1e-12, atol=1e-14), name
     # the comparison can fail: another input's gradients differ in the tables
-    other = _embedding_grads(small_cfg("model.embed=plain"), idx.roll(1, dims=1), tgt)
-    assert not torch.allclose(other["embed.weight"], plain["embed.weight"], rtol=1e-6)
+    _assert_same_float64_gradients("model.embed=fused", "model.embed=plain", idx, tgt, "embed.weight")
+
+
+def _assert_same_float64_gradients(option: str, reference: str, idx, tgt, sensitive: str):
+    """Every parameter's float64 gradient under `option` equals the one under `reference`; and the comparison can
+    fail: with the input rolled, parameter `sensitive` gets another gradient."""
+    got = _float64_grads(small_cfg(option), idx, tgt)
+    want = _float64_grads(small_cfg(reference), idx, tgt)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.allclose(got[name], want[name], rtol=1e-12, atol=1e-14), name
+    other = _float64_grads(small_cfg(reference), idx.roll(1, dims=1), tgt)
+    assert not torch.allclose(other[sensitive], want[sensitive], rtol=1e-6)
 
 
 def test_fused_lookups_refuse_tables_of_different_vocabularies():

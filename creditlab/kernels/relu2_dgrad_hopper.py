@@ -80,45 +80,47 @@ if gluon is not None:
         tiles_n = gl.cdiv(N, BN)
         first = gl.program_id(0)
         programs = gl.num_programs(0)
-        total = gl.cdiv(tiles_m * tiles_n - first, programs) * K_STEPS
-        # The loads run STAGES - 1 steps ahead of the products; a tile's offsets are worked out once, when the
-        # loads (then the products) reach its first step.
-        for step in gl.static_range(STAGES - 1):
-            p_m, p_n = _tile_offsets(step, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS, GROUP)
-            _issue_operands(step, total, p_m, p_n, a_desc, b_desc, a_bufs, b_bufs, ready, K_STEPS, STAGES)
+        my_tiles = gl.cdiv(tiles_m * tiles_n - first, programs)
+        total = my_tiles * K_STEPS
+        # The loads run STAGES - 1 steps ahead of the products, into the next tile near a tile's end; a tile's
+        # offsets are worked out once, when the loads (then the products) reach its first step.
+        for early in gl.static_range(STAGES - 1):
+            p_m, p_n = _tile_offsets(early, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS, GROUP)
+            _issue_operands(early, total, p_m, p_n, a_desc, b_desc, a_bufs, b_bufs, ready, K_STEPS, STAGES)
         p_m, p_n = _tile_offsets(STAGES - 2, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS, GROUP)
-        off_m, off_n = _tile_offsets(0, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS, GROUP)
-        acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
-        for step in range(total):
-            stage = step % STAGES
-            k_step = step % K_STEPS
-            if k_step == 0:
-                off_m, off_n = _tile_offsets(step, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS, GROUP)
-            mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage), acc, use_acc=k_step > 0, is_async=True)
-            # the step before has finished reading its stage, which the load below refills
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            ahead = step + STAGES - 1
-            if ahead % K_STEPS == 0:
-                p_m, p_n = _tile_offsets(ahead, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS, GROUP)
-            _issue_operands(ahead, total, p_m, p_n, a_desc, b_desc, a_bufs, b_bufs, ready, K_STEPS, STAGES)
-            if k_step == min(POST_STEP, K_STEPS - 1):
-                # the previous tile's result has left the tile buffer: bring this tile's post into it
-                tma.store_wait(pendings=0)
-                if EPILOGUE == 2:
-                    mbarrier.expect(post_ready, post_desc.block_type.nbytes)
-                    _tma_load(post_desc, [off_m, off_n], post_ready, tile_buf)
-            if k_step == K_STEPS - 1:
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                if EPILOGUE == 2:
-                    mbarrier.wait(post_ready, (step // K_STEPS) & 1)
-                    post = tile_buf.load(acc_layout).to(gl.float32)
-                    out = acc * (2.0 * gl.sqrt(post))
-                else:
-                    out = acc
-                tile_buf.store(out.to(dtype))
-                fence_async_shared()
-                _tma_store(c_desc, [off_m, off_n], tile_buf)
+        for tile in range(my_tiles):
+            off_m, off_n = _tile_offsets(tile * K_STEPS, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS, GROUP)
+            # The K loop is unrolled and the accumulator starts afresh each tile, so no product's result crosses
+            # a loop edge while in flight (where ptxas would wait for it).
+            acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
+            for k in gl.static_range(K_STEPS):
+                step = tile * K_STEPS + k
+                stage = step % STAGES
+                mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+                acc = warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage), acc, use_acc=k > 0, is_async=True)
+                # the step before has finished reading its stage, which the load below refills
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                if (k + STAGES - 1) % K_STEPS == 0:
+                    p_m, p_n = _tile_offsets(step + STAGES - 1, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS,
+                                             GROUP)
+                _issue_operands(step + STAGES - 1, total, p_m, p_n, a_desc, b_desc, a_bufs, b_bufs, ready, K_STEPS,
+                                STAGES)
+                if k == POST_STEP:
+                    # the previous tile's result has left the tile buffer: bring this tile's post into it
+                    tma.store_wait(pendings=0)
+                    if EPILOGUE == 2:
+                        mbarrier.expect(post_ready, post_desc.block_type.nbytes)
+                        _tma_load(post_desc, [off_m, off_n], post_ready, tile_buf)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            if EPILOGUE == 2:
+                mbarrier.wait(post_ready, tile & 1)
+                post = tile_buf.load(acc_layout).to(gl.float32)
+                out = acc * (2.0 * gl.sqrt(post))
+            else:
+                out = acc
+            tile_buf.store(out.to(dtype))
+            fence_async_shared()
+            _tma_store(c_desc, [off_m, off_n], tile_buf)
         tma.store_wait(pendings=0)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
@@ -161,7 +163,7 @@ def relu2_dgrad(dy: torch.Tensor, w: torch.Tensor, post: torch.Tensor | None, po
     grid = (min(tiles, programs or _multiprocessors(dy.device.index or 0)),)
     _dgrad_kernel[grid](_descriptor(dy, [BLOCK_M, block_k]), _descriptor(w, [block_k, BLOCK_N]), post_desc, c_desc,
                         M, N, K_STEPS=K // block_k, EPILOGUE=EPILOGUE_NONE if post is None else EPILOGUE_RELU2_GRAD,
-                        POST_STEP=post_step, STAGES=stages, GROUP=group_m, num_warps=WARPS)
+                        POST_STEP=min(post_step, K // block_k - 1), STAGES=stages, GROUP=group_m, num_warps=WARPS)
     return out
 
 
