@@ -268,8 +268,12 @@ ARMS_FIGURES = [
      "train.prefetch on (native) and off"),
     ("arms_fused_embed_seed.json", "arms_fused_embed_seed.png",
      "native with the sorted embedding backward (model.embed=fused, 64 x 128 blocks) and with autograd's, 32 updates"),
+    ("arms_gluon_dgrad_flat_seed.json", "arms_gluon_dgrad_flat_seed.png",
+     "the MLP's derivative product: Gluon kernel (first form, one flat loop) vs Triton's"),
     ("arms_gluon_dgrad_seed.json", "arms_gluon_dgrad_seed.png",
-     "the MLP's derivative product: Gluon kernel vs Triton's"),
+     "the MLP's derivative product: Gluon kernel (K loop unrolled) vs Triton's"),
+    ("arms_gluon_default_seed.json", "arms_gluon_default_seed.png",
+     "credit arms, the Gluon derivative product by default (the last screen's tree)"),
     ("arms_final_prefetch_seed.json", "arms_final_prefetch_seed.png",
      "credit arms, micro-batches made ahead (the last screen's tree)"),
 ]
@@ -480,8 +484,9 @@ def main() -> None:
     print(plot_softcap_variants(results / "softcap_ce_held_seed.json", out, "softcap_ce_held_seed.png"))
     print(plot_softcap_variants(results / "softcap_ce_held_split_seed.json", out, "softcap_ce_held_split_seed.png"))
     print(plot_embedding_grad(results / "embedding_grad_seed.json", out, "embedding_grad_seed.png"))
-    print(plot_dgrad_paths([results / f"relu2_dgrad_hopper{n}_seed.json" for n in ("_second", "")], out,
-                           "relu2_dgrad_hopper_seed.png"))
+    print(plot_dgrad_paths([results / f"relu2_dgrad_hopper_flat{n}_seed.json" for n in ("_second", "")], out,
+                           "relu2_dgrad_hopper_flat_seed.png"))
+    print(plot_dgrad_paths([results / "relu2_dgrad_hopper_seed.json"], out, "relu2_dgrad_hopper_seed.png"))
     print(plot_kernel_bandwidth(results / "kernel_bandwidth_seed.json", out, "kernel_bandwidth_seed.png"))
     print(plot_kernel_classes({"native, before the fused modules": results / "profile_native_busy_seed.txt",
                                "native now": results / "profile_native_final_busy_seed.txt",
