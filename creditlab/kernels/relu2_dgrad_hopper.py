@@ -5,9 +5,10 @@ The Triton kernel (`relu2_matmul.py`) reads the post tile after its K loop: the 
 and loaded before the loop the tile would sit in registers across it. Here the post tile lands in shared memory
 by an asynchronous copy issued part-way through the tile's K loop, the epilogue writes the result over it in
 shared memory and stores it with an asynchronous copy that drains while the next tile's products run. Each
-program walks output tiles in the grouped order of the Triton kernel; the K loop runs as one flat stream of
-steps over all of a program's tiles, so the operand loads of the next tile are issued before this tile's
-epilogue.
+program walks output tiles in the grouped order of the Triton kernel. The operand loads run a fixed number of K
+steps ahead across tile boundaries, so the next tile's first operands are in flight during this tile's epilogue.
+The K loop is unrolled within a tile: an accumulator carried across a loop edge while a product is in flight
+makes ptxas wait for every product there (benchmarks/relu2_mlp.md).
 
 Shared memory at 128 x 256 x 64 tiles, 3 stages: 48 KB of A, 96 KB of B and 64 KB for the post / result tile.
 """
