@@ -484,9 +484,9 @@ def main() -> None:
     print(plot_softcap_variants(results / "softcap_ce_held_seed.json", out, "softcap_ce_held_seed.png"))
     print(plot_softcap_variants(results / "softcap_ce_held_split_seed.json", out, "softcap_ce_held_split_seed.png"))
     print(plot_embedding_grad(results / "embedding_grad_seed.json", out, "embedding_grad_seed.png"))
-    print(plot_dgrad_paths([results / f"relu2_dgrad_hopper_flat{n}_seed.json" for n in ("_second", "")], out,
-                           "relu2_dgrad_hopper_flat_seed.png"))
-    print(plot_dgrad_paths([results / "relu2_dgrad_hopper_seed.json"], out, "relu2_dgrad_hopper_seed.png"))
+    print(plot_dgrad_paths([results / f"relu2_hopper_flat{n}_seed.json" for n in ("_second", "")], out,
+                           "relu2_hopper_flat_seed.png"))
+    print(plot_dgrad_paths([results / "relu2_hopper_seed.json"], out, "relu2_hopper_seed.png"))
     print(plot_kernel_bandwidth(results / "kernel_bandwidth_seed.json", out, "kernel_bandwidth_seed.png"))
     print(plot_kernel_classes({"native, before the fused modules": results / "profile_native_busy_seed.txt",
                                "native now": results / "profile_native_final_busy_seed.txt",

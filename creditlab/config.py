@@ -53,7 +53,7 @@ class ModelConfig:
     # (embedding.py, Triton on CUDA): twice as fast alone, no faster in the step (benchmarks/native_seed.md)
     embed: str = "plain"
     # The fused MLP's derivative product on CUDA: gluon, on compute capability 9 the Gluon kernel that brings the
-    # post tile in by TMA during the K loop (kernels/relu2_dgrad_hopper.py), elsewhere the same as triton; triton:
+    # post tile in by TMA during the K loop (kernels/relu2_hopper.py), elsewhere the same as triton; triton:
     # the Triton kernel, whose epilogue reads the post tile after the loop (kernels/relu2_matmul.py; records from
     # before the option read triton; benchmarks/relu2_mlp.md)
     mlp_dgrad: str = "gluon"

@@ -16,7 +16,7 @@ expansion's input-gradient product (credit/sketch.py) keeps receiving dL/dh as b
 (credit/fdfa.py), which computes the same function.
 
 On CUDA, in bf16/fp16, the products run as one Triton kernel each (kernels/relu2_matmul.py; the derivative
-product, with model.mlp_dgrad=gluon on Hopper, as the Gluon kernel of kernels/relu2_dgrad_hopper.py); elsewhere
+product, with model.mlp_dgrad=gluon on Hopper, as the Gluon kernel of kernels/relu2_hopper.py); elsewhere
 (the CPU, float64 checks) as the torch arithmetic of the same formulas, so the convention is checked in float64.
 """
 
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from creditlab import kernels
-from creditlab.kernels import relu2_dgrad_hopper, relu2_matmul
+from creditlab.kernels import relu2_hopper, relu2_matmul
 
 
 def _kernel_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -60,16 +60,16 @@ def _(dy, w, post):
     return dy.new_empty((dy.shape[0], w.shape[1]))
 
 
-@torch.library.custom_op("creditlab::relu2_dgrad_hopper", mutates_args=())
-def relu2_dgrad_hopper_op(dy: torch.Tensor, w: torch.Tensor, post: torch.Tensor) -> torch.Tensor:
+@torch.library.custom_op("creditlab::relu2_dgrad_gluon", mutates_args=())
+def relu2_dgrad_gluon(dy: torch.Tensor, w: torch.Tensor, post: torch.Tensor) -> torch.Tensor:
     """relu2_dgrad through the Gluon kernel where it runs (compute capability 9), else as relu2_dgrad."""
-    if _kernel_takes(dy, w) and post.dtype == dy.dtype and relu2_dgrad_hopper.available(dy) \
-            and dy.shape[1] % relu2_dgrad_hopper.BLOCK_K == 0:
-        return relu2_dgrad_hopper.relu2_dgrad(dy, w, post)
+    if _kernel_takes(dy, w) and post.dtype == dy.dtype and relu2_hopper.available(dy) \
+            and dy.shape[1] % relu2_hopper.BLOCK_K == 0:
+        return relu2_hopper.relu2_dgrad(dy, w, post)
     return relu2_dgrad(dy, w, post)
 
 
-@relu2_dgrad_hopper_op.register_fake
+@relu2_dgrad_gluon.register_fake
 def _(dy, w, post):
     return dy.new_empty((dy.shape[0], w.shape[1]))
 
@@ -130,7 +130,7 @@ class _ProjectReLU2(torch.autograd.Function):
         return dh, dw, None
 
 
-DGRADS = {"triton": relu2_dgrad, "gluon": relu2_dgrad_hopper_op}  # model.mlp_dgrad
+DGRADS = {"triton": relu2_dgrad, "gluon": relu2_dgrad_gluon}  # model.mlp_dgrad
 
 
 def expand_relu2(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

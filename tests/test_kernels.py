@@ -214,26 +214,29 @@ def test_each_kernel_compiles_for_hopper(name):
     assert compiled.asm["cubin"] and compiled.metadata.shared <= 227 * 1024
 
 
-def _compile_gluon_dgrad(stages: int):
-    """The Gluon derivative-product kernel through Triton's compiler to a cubin for sm_90 at the seed shape's
-    constants (dy 131,072 x 512, w 512 x 2,048), on the CPU."""
+def _compile_gluon_mlp(stages: int, expand: bool = False):
+    """One of the fused MLP's Gluon kernels (the derivative product, or with `expand` the expansion) through
+    Triton's compiler to a cubin for sm_90 at the seed shape's constants (131,072 tokens, 512 -> 2,048), on the
+    CPU."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as triton_compile
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from creditlab.kernels import relu2_dgrad_hopper as hopper
+    from creditlab.kernels import relu2_hopper as hopper
 
     def descriptor(block):
         layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
         return f"tensordesc<bf16[{', '.join(map(str, block))}],{layout!r}>"
 
     bm, bn, bk = hopper.BLOCK_M, hopper.BLOCK_N, hopper.BLOCK_K
-    constants = {"K_STEPS": 512 // bk, "EPILOGUE": hopper.EPILOGUE_RELU2_GRAD, "POST_STEP": 3, "STAGES": stages,
-                 "GROUP": hopper.GROUP_M, "num_warps": hopper.WARPS}
-    signature = {"a_desc": descriptor([bm, bk]), "b_desc": descriptor([bk, bn]), "post_desc": descriptor([bm, bn]),
-                 "c_desc": descriptor([bm, bn]), "M": "i32", "N": "i32"} | {k: "constexpr" for k in constants}
-    source = GluonASTSource(fn=hopper._dgrad_kernel, signature=signature, constexprs=constants)
+    constants = {"K_STEPS": 512 // bk, "B_IS_KN": not expand,
+                 "EPILOGUE": hopper.EPILOGUE_RELU2 if expand else hopper.EPILOGUE_RELU2_GRAD, "POST_STEP": 3,
+                 "STAGES": stages, "GROUP": hopper.GROUP_M, "num_warps": hopper.WARPS}
+    signature = {"a_desc": descriptor([bm, bk]), "b_desc": descriptor([bn, bk] if expand else [bk, bn]),
+                 "post_desc": descriptor([bm, bn]), "c_desc": descriptor([bm, bn]), "M": "i32", "N": "i32"}
+    source = GluonASTSource(fn=hopper._mlp_kernel, signature=signature | {k: "constexpr" for k in constants},
+                            constexprs=constants)
     try:
         return triton_compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": hopper.WARPS})
     except RuntimeError as error:  # no ptxas in this Triton install
@@ -243,17 +246,18 @@ def _compile_gluon_dgrad(stages: int):
 
 
 @pytest.mark.slow
-def test_the_gluon_derivative_product_compiles_for_hopper_within_its_shared_memory():
-    # Gluon has no interpreter: its arithmetic is checked against float64 on the GPU
-    # (benchmarks/relu2_dgrad_hopper.py); here, that the kernel compiles, issues warpgroup products and TMA
-    # copies, and fits the multiprocessor's 227 KB
-    compiled = _compile_gluon_dgrad(stages=3)
+@pytest.mark.parametrize("expand", [False, True])
+def test_the_gluon_mlp_kernels_compile_for_hopper_within_their_shared_memory(expand):
+    # Gluon has no interpreter: the kernels' arithmetic is checked against float64 on the GPU
+    # (benchmarks/relu2_hopper.py); here, that each compiles, issues warpgroup products and TMA copies, and fits
+    # the multiprocessor's 227 KB
+    compiled = _compile_gluon_mlp(stages=3, expand=expand)
     ptx = compiled.asm["ptx"]
     assert compiled.asm["cubin"] and compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
     # the check can fail: a fourth stage of operands (48 KB more) does not fit
     try:
-        too_big = _compile_gluon_dgrad(stages=4).metadata.shared
+        too_big = _compile_gluon_mlp(stages=4, expand=expand).metadata.shared
     except Exception as error:  # the compiler refuses the allocation itself
         assert "shared" in str(error).lower() or "resource" in str(error).lower(), error
     else:

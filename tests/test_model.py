@@ -309,7 +309,7 @@ def test_the_fused_modules_operators_declare_their_outputs_truthfully():
     q, k, v, scales = qk_norm.forward_op(qkv, cos, sin, 2)
     post = relu2.relu2_linear(x, w_kn.t())
     cases = [(relu2.relu2_linear, (x, w)), (relu2.relu2_dgrad, (x, w_kn, post)),
-             (relu2.relu2_dgrad_hopper_op, (x, w_kn, post)),
+             (relu2.relu2_dgrad_gluon, (x, w_kn, post)),
              (qk_norm.forward_op, (qkv, cos, sin, 2)), (qk_norm.backward_op, (q, k, v, q, k, scales, cos, sin))]
     for op, args in cases:
         result = torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

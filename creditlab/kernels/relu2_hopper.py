@@ -1,5 +1,5 @@
-"""`relu2_dgrad` for Hopper, written in Gluon: (dy w) * 2 sqrt(post) with the post tile brought in by TMA while
-the tile's products run.
+"""The fused MLP's two products for Hopper, written in Gluon: `relu2_linear` = relu(x w^T)^2 and `relu2_dgrad` =
+(dy w) * 2 sqrt(post), the latter with the post tile brought in by TMA while the tile's products run.
 
 The Triton kernel (`relu2_matmul.py`) reads the post tile after its K loop: the read cannot overlap the products,
 and loaded before the loop the tile would sit in registers across it. Here the post tile lands in shared memory
@@ -32,7 +32,7 @@ else:  # Triton 3.9 renamed the TMA copies (the old names raise there)
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 BLOCK_M, BLOCK_N, BLOCK_K, STAGES, WARPS, GROUP_M = 128, 256, 64, 3, 8, 16
-EPILOGUE_NONE, EPILOGUE_RELU2_GRAD = 0, 2
+EPILOGUE_NONE, EPILOGUE_RELU2, EPILOGUE_RELU2_GRAD = 0, 1, 2  # as in relu2_matmul.py
 
 if gluon is not None:
 
@@ -48,7 +48,7 @@ if gluon is not None:
 
     @gluon.jit
     def _issue_operands(step, total, off_m, off_n, a_desc, b_desc, a_bufs, b_bufs, ready, K_STEPS: gl.constexpr,
-                        STAGES: gl.constexpr):
+                        STAGES: gl.constexpr, B_IS_KN: gl.constexpr):
         """The TMA loads of step `step`'s A and B tiles into stage step % STAGES (none past the last step)."""
         BK: gl.constexpr = a_desc.block_type.shape[1]
         live = step < total
@@ -56,11 +56,15 @@ if gluon is not None:
         bar = ready.index(stage)
         mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=live)
         _tma_load(a_desc, [off_m, (step % K_STEPS) * BK], bar, a_bufs.index(stage), pred=live)
-        _tma_load(b_desc, [(step % K_STEPS) * BK, off_n], bar, b_bufs.index(stage), pred=live)
+        if B_IS_KN:
+            _tma_load(b_desc, [(step % K_STEPS) * BK, off_n], bar, b_bufs.index(stage), pred=live)
+        else:
+            _tma_load(b_desc, [off_n, (step % K_STEPS) * BK], bar, b_bufs.index(stage), pred=live)
 
     @gluon.jit
-    def _dgrad_kernel(a_desc, b_desc, post_desc, c_desc, M, N, K_STEPS: gl.constexpr, EPILOGUE: gl.constexpr,
-                      POST_STEP: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, num_warps: gl.constexpr):
+    def _mlp_kernel(a_desc, b_desc, post_desc, c_desc, M, N, K_STEPS: gl.constexpr, B_IS_KN: gl.constexpr,
+                    EPILOGUE: gl.constexpr, POST_STEP: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
+                    num_warps: gl.constexpr):
         BM: gl.constexpr = c_desc.block_type.shape[0]
         BN: gl.constexpr = c_desc.block_type.shape[1]
         BK: gl.constexpr = a_desc.block_type.shape[1]
@@ -69,7 +73,7 @@ if gluon is not None:
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                              instr_shape=[16, BN, 16])
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BN], b_desc.layout)
+        b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
         tile_buf = gl.allocate_shared_memory(dtype, [BM, BN], c_desc.layout)  # the post tile in, the result out
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         post_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -87,7 +91,8 @@ if gluon is not None:
         # offsets are worked out once, when the loads (then the products) reach its first step.
         for early in gl.static_range(STAGES - 1):
             p_m, p_n = _tile_offsets(early, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS, GROUP)
-            _issue_operands(early, total, p_m, p_n, a_desc, b_desc, a_bufs, b_bufs, ready, K_STEPS, STAGES)
+            _issue_operands(early, total, p_m, p_n, a_desc, b_desc, a_bufs, b_bufs, ready, K_STEPS, STAGES,
+                            B_IS_KN)
         p_m, p_n = _tile_offsets(STAGES - 2, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS, GROUP)
         for tile in range(my_tiles):
             off_m, off_n = _tile_offsets(tile * K_STEPS, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS, GROUP)
@@ -98,14 +103,15 @@ if gluon is not None:
                 step = tile * K_STEPS + k
                 stage = step % STAGES
                 mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
-                acc = warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage), acc, use_acc=k > 0, is_async=True)
+                b = b_bufs.index(stage) if B_IS_KN else b_bufs.index(stage).permute((1, 0))
+                acc = warpgroup_mma(a_bufs.index(stage), b, acc, use_acc=k > 0, is_async=True)
                 # the step before has finished reading its stage, which the load below refills
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
                 if (k + STAGES - 1) % K_STEPS == 0:
                     p_m, p_n = _tile_offsets(step + STAGES - 1, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS,
                                              GROUP)
                 _issue_operands(step + STAGES - 1, total, p_m, p_n, a_desc, b_desc, a_bufs, b_bufs, ready, K_STEPS,
-                                STAGES)
+                                STAGES, B_IS_KN)
                 if k == POST_STEP:
                     # the previous tile's result has left the tile buffer: bring this tile's post into it
                     tma.store_wait(pendings=0)
@@ -117,6 +123,9 @@ if gluon is not None:
                 mbarrier.wait(post_ready, tile & 1)
                 post = tile_buf.load(acc_layout).to(gl.float32)
                 out = acc * (2.0 * gl.sqrt(post))
+            elif EPILOGUE == 1:
+                r = gl.maximum(acc, 0.0)
+                out = r * r
             else:
                 out = acc
             tile_buf.store(out.to(dtype))
@@ -144,28 +153,44 @@ def _descriptor(t: torch.Tensor, block: list[int]):
                                                                                        else gl.float16))
 
 
-def relu2_dgrad(dy: torch.Tensor, w: torch.Tensor, post: torch.Tensor | None, post_step: int = 3,
-                group_m: int = GROUP_M, stages: int = STAGES, block_k: int = BLOCK_K,
-                programs: int | None = None) -> torch.Tensor:
-    """(dy w) * 2 sqrt(post) for dy (M, K), w (K, N), post (M, N), all one 16-bit dtype; with post None, dy w
-    alone (the kernel's own speed). `post_step`: the K step of each tile at which its post tile is requested."""
-    M, K = dy.shape
-    N = w.shape[1]
-    if w.shape[0] != K or (post is not None and (post.shape != (M, N) or post.dtype != dy.dtype)):
-        raise ValueError(f"shapes differ: dy {tuple(dy.shape)}, w {tuple(w.shape)}, post "
+def _launch(a: torch.Tensor, b: torch.Tensor, b_is_kn: bool, epilogue: int, post: torch.Tensor | None = None,
+            post_step: int = 3, group_m: int = GROUP_M, stages: int = STAGES, block_k: int = BLOCK_K,
+            programs: int | None = None) -> torch.Tensor:
+    M, K = a.shape
+    N, b_k = (b.shape[1], b.shape[0]) if b_is_kn else b.shape
+    if b_k != K or (post is not None and (post.shape != (M, N) or post.dtype != a.dtype)):
+        raise ValueError(f"shapes differ: a {tuple(a.shape)}, b {tuple(b.shape)} (b_is_kn={b_is_kn}), post "
                          f"{None if post is None else tuple(post.shape)}")
     if K % block_k:
         raise ValueError(f"the inner dimension ({K}) must be a multiple of block_k ({block_k})")
-    dy, w = dy.contiguous(), w.contiguous()
-    out = torch.empty((M, N), dtype=dy.dtype, device=dy.device)
+    a, b = a.contiguous(), b.contiguous()
+    out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     c_desc = _descriptor(out, [BLOCK_M, BLOCK_N])
     post_desc = _descriptor(post.contiguous(), [BLOCK_M, BLOCK_N]) if post is not None else c_desc
     tiles = triton_cdiv(M, BLOCK_M) * triton_cdiv(N, BLOCK_N)
-    grid = (min(tiles, programs or _multiprocessors(dy.device.index or 0)),)
-    _dgrad_kernel[grid](_descriptor(dy, [BLOCK_M, block_k]), _descriptor(w, [block_k, BLOCK_N]), post_desc, c_desc,
-                        M, N, K_STEPS=K // block_k, EPILOGUE=EPILOGUE_NONE if post is None else EPILOGUE_RELU2_GRAD,
-                        POST_STEP=min(post_step, K // block_k - 1), STAGES=stages, GROUP=group_m, num_warps=WARPS)
+    grid = (min(tiles, programs or _multiprocessors(a.device.index or 0)),)
+    _mlp_kernel[grid](_descriptor(a, [BLOCK_M, block_k]),
+                      _descriptor(b, [block_k, BLOCK_N] if b_is_kn else [BLOCK_N, block_k]), post_desc, c_desc, M, N,
+                      K_STEPS=K // block_k, B_IS_KN=b_is_kn, EPILOGUE=epilogue,
+                      POST_STEP=min(post_step, K // block_k - 1), STAGES=stages, GROUP=group_m, num_warps=WARPS)
     return out
+
+
+def relu2_linear(x: torch.Tensor, w: torch.Tensor, **tiles) -> torch.Tensor:
+    """relu(x w^T)^2 for x (M, K) and w (N, K), one 16-bit dtype (accumulated in float32)."""
+    return _launch(x, w, False, EPILOGUE_RELU2, **tiles)
+
+
+def relu2_dgrad(dy: torch.Tensor, w: torch.Tensor, post: torch.Tensor | None, **tiles) -> torch.Tensor:
+    """(dy w) * 2 sqrt(post) for dy (M, K), w (K, N), post (M, N), one 16-bit dtype; with post None, dy w alone
+    (the kernel's own speed). Keywords: the tiling (`post_step`, the K step of each tile at which its post tile is
+    requested; `group_m`, `stages`, `block_k`, `programs`)."""
+    return _launch(dy, w, True, EPILOGUE_NONE if post is None else EPILOGUE_RELU2_GRAD, post=post, **tiles)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, b_is_kn: bool, **tiles) -> torch.Tensor:
+    """a b (b: (K, N)) or a b^T (b: (N, K)), no epilogue: the kernel's own speed."""
+    return _launch(a, b, b_is_kn, EPILOGUE_NONE, **tiles)
 
 
 def triton_cdiv(a: int, b: int) -> int:

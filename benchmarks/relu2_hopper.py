@@ -1,0 +1,100 @@
+"""The fused MLP's two products on Hopper: the Gluon kernels (the derivative product's post tile brought in by TMA
+during the K loop, the results stored asynchronously) against the Triton kernels of the step, with and without
+their epilogues, and cuBLAS, at the seed shape; alternated rounds in one process, each path's bf16 error against
+float64 first.
+
+    python benchmarks/relu2_hopper.py --out DIR [--tokens 131072] [--width 512] [--hidden 2048]
+
+Writes DIR/relu2_hopper.json and DIR/relu2_hopper.md. Any CUDA machine of compute capability 9.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fp8_head import alternated_rounds  # noqa: E402
+from relu2_mlp import mlp_problem  # noqa: E402
+
+from creditlab.kernels import relu2_hopper as hopper  # noqa: E402
+from creditlab.kernels import relu2_matmul as rm  # noqa: E402
+from creditlab.runtime import largest_relative_error, write_benchmark  # noqa: E402
+
+
+def main() -> int:
+    problem = mlp_problem(__doc__.splitlines()[0])
+    if problem is None:
+        return 2
+    out, (M, d, m), x, w_fc, w_proj, dy = problem
+    post = rm.relu2_linear(x, w_fc)
+    flop = 2 * M * d * m
+    h = x.double() @ w_fc.double().t()
+    want_expand, want_h = torch.relu(h) ** 2, h
+    want_dgrad = (dy.double() @ w_proj.double()) * 2 * post.double().sqrt()
+    want_plain = dy.double() @ w_proj.double()
+
+    # (name, callable, the float64 result it computes); each group's first path is the base of its ratios
+    groups = {"dgrad": [("Triton kernel + derivative epilogue (the step's before)",
+                         lambda: rm.relu2_dgrad(dy, w_proj, post), want_dgrad),
+                        ("Triton kernel, no epilogue", lambda: rm.matmul(dy, w_proj, True), want_plain),
+                        ("cuBLAS product only", lambda: dy @ w_proj, want_plain)],
+              "expand": [("expansion: Triton kernel + ReLU^2 epilogue (the step's)",
+                          lambda: rm.relu2_linear(x, w_fc), want_expand),
+                         ("expansion: Triton kernel, no epilogue", lambda: rm.matmul(x, w_fc, False), want_h),
+                         ("expansion: cuBLAS product only", lambda: x @ w_fc.t(), want_h),
+                         ("expansion: Gluon + ReLU^2 epilogue", lambda: hopper.relu2_linear(x, w_fc), want_expand),
+                         ("expansion: Gluon + ReLU^2 epilogue, groups of 8",
+                          lambda: hopper.relu2_linear(x, w_fc, group_m=8), want_expand),
+                         ("expansion: Gluon, no epilogue", lambda: hopper.matmul(x, w_fc, False), want_h)]}
+    for post_step, group in ((3, 16), (3, 8)):
+        groups["dgrad"].append((f"Gluon + derivative epilogue, post requested at K step {post_step}, group {group}",
+                                lambda s=post_step, g=group: hopper.relu2_dgrad(dy, w_proj, post, post_step=s,
+                                                                                group_m=g), want_dgrad))
+    groups["dgrad"].append(("Gluon, no epilogue", lambda: hopper.relu2_dgrad(dy, w_proj, None), want_plain))
+
+    runs, errors, failures, group_of = {}, {}, {}, {}
+    for group, paths in groups.items():
+        for name, fn, want in paths:
+            try:
+                got = fn()
+                torch.cuda.synchronize()
+            except Exception as error:  # a path that does not compile is reported, not fatal
+                failures[name] = "".join(traceback.format_exception_only(error))[-2000:]
+                print(f"{name}: failed\n{failures[name]}", flush=True)
+                continue
+            errors[name] = largest_relative_error(got, want)
+            runs[name], group_of[name] = fn, group
+    times = alternated_rounds(runs) if runs else {}
+    base = {group: next(name for name in times if group_of[name] == group) for group in set(group_of.values())}
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "M": M, "K": d, "N": m,
+              "paths": {}, "failures": failures}
+    lines = [f"# The fused MLP's products, {M:,} x {d} -> {m} bf16 ({torch.cuda.get_device_name()}, torch "
+             f"{torch.__version__})", "",
+             "Ten alternated rounds of five calls, all paths in one process. Ratios: over the first path of the "
+             "same product. Error: the largest entry's difference from float64 over the float64 result's largest "
+             "entry.", "",
+             "| path | ms | TFLOP/s | over the step's kernel, per round (range) | bf16 error |",
+             "|---|---|---|---|---|"]
+    for name, ms in times.items():
+        ratios = [t / b for t, b in zip(ms, times[base[group_of[name]]])]
+        median = statistics.median(ms)
+        result["paths"][name] = {"ms": ms, "median_ms": median, "ratio_per_round": statistics.median(ratios),
+                                 "ratio_range": [min(ratios), max(ratios)], "error": errors[name],
+                                 "product": group_of[name]}
+        lines.append(f"| {name} | {median:.4f} | {flop / median / 1e9:.0f} | {statistics.median(ratios):.3f} "
+                     f"({min(ratios):.3f} .. {max(ratios):.3f}) | {errors[name]:.1e} |")
+    for name, why in failures.items():
+        lines.append(f"| {name} | failed: {why.strip().splitlines()[-1][:200]} | | | |")
+    write_benchmark(out, "relu2_hopper", result, lines)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
