@@ -76,8 +76,9 @@ class _WeightReads(TorchDispatchMode):
     by its input-gradient product dY W (its weight gradient dY^T n reads the activations), so the weights read
     are exactly the input-gradient products computed."""
 
-    # relu2_dgrad: the fused MLP's projection input-gradient product (relu2.py), one operator
-    PRODUCTS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addmv", "mv", "relu2_dgrad")
+    # relu2_dgrad, relu2_dgrad_gluon: the fused MLP's projection input-gradient product (relu2.py), one operator
+    # each (model.mlp_dgrad)
+    PRODUCTS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addmv", "mv", "relu2_dgrad", "relu2_dgrad_gluon")
 
     def __init__(self, params: dict[int, str]):
         super().__init__()

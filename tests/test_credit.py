@@ -85,10 +85,11 @@ def test_check_counts_which_products_are_omitted_not_only_how_many(monkeypatch):
     assert all(name.endswith("attn.qkv.weight") for name in wrong["intended_but_computed"])
 
 
-@pytest.mark.parametrize("mlp", ["fused", "plain"])
-def test_native_backward_reads_every_block_matrix(mlp):
-    # so that an input-gradient product computed inside an operator (the fused MLP's relu2_dgrad) is seen too
-    cfg = dataclasses.replace(SMALL, mlp=mlp, recompute="none")
+@pytest.mark.parametrize("mlp, dgrad", [("fused", "gluon"), ("fused", "triton"), ("plain", "gluon")])
+def test_native_backward_reads_every_block_matrix(mlp, dgrad):
+    # so that an input-gradient product computed inside an operator (the fused MLP's relu2_dgrad, or
+    # relu2_dgrad_gluon, model.mlp_dgrad) is seen too
+    cfg = dataclasses.replace(SMALL, mlp=mlp, mlp_dgrad=dgrad, recompute="none")
     model = checks.randomized_model(cfg, 0)
     idx, targets = checks._batch(cfg, 0)
     read = checks.products_read_in_backward(model, idx, targets, ExactCredit())
