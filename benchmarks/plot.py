@@ -367,7 +367,7 @@ def plot_softcap_variants(results: Path, out: Path, name: str) -> Path:
 
 
 def plot_dgrad_paths(results: list[Path], out: Path, name: str) -> Path:
-    """The MLP's derivative product, one micro-batch: each path's time over the step's Triton kernel per round
+    """The fused MLP's products, one micro-batch: each path's time over its product's Triton kernel per round
     (median and range of alternated rounds), in each process."""
     data = [json.loads(r.read_text())["paths"] for r in results]
     names = list(data[0])
@@ -388,8 +388,9 @@ def plot_dgrad_paths(results: list[Path], out: Path, name: str) -> Path:
     ax.axvline(1.0, color="black", lw=0.8)
     ax.set_yticks(range(len(names)), [textwrap.fill(n, 70) for n in names], fontsize=7)
     ax.invert_yaxis()
-    ax.set(xlabel="time over the step's Triton kernel, per round (median, range of 10 alternated rounds)",
-           title="the MLP's derivative product (dy W) * 2 sqrt(post)\n131,072 x 512 -> 2,048, bf16, one H200")
+    ax.set(xlabel="time over the product's Triton kernel, per round (median, range of 10 alternated rounds)",
+           title="the fused MLP's products on Hopper (the derivative product (dy W) * 2 sqrt(post) unless named)\n"
+                 "131,072 x 512 -> 2,048, bf16, one H200")
     ax.legend(fontsize=8, loc="lower right")
     return _save(fig, out / name)
 
@@ -487,6 +488,7 @@ def main() -> None:
     print(plot_dgrad_paths([results / f"relu2_hopper_flat{n}_seed.json" for n in ("_second", "")], out,
                            "relu2_hopper_flat_seed.png"))
     print(plot_dgrad_paths([results / "relu2_hopper_seed.json"], out, "relu2_hopper_seed.png"))
+    print(plot_dgrad_paths([results / "relu2_hopper_expand_seed.json"], out, "relu2_hopper_expand_seed.png"))
     print(plot_kernel_bandwidth(results / "kernel_bandwidth_seed.json", out, "kernel_bandwidth_seed.png"))
     print(plot_kernel_classes({"native, before the fused modules": results / "profile_native_busy_seed.txt",
                                "native now": results / "profile_native_final_busy_seed.txt",
