@@ -341,6 +341,14 @@ def plot_fit_variants(results: Path, out: Path, name: str, default: str) -> Path
     return _save(fig, out / name)
 
 
+def _ratio_bar(ax, y: float, r: dict, height: float, color: str, label: str | None) -> None:
+    """One variant's per-round ratio as a bar, with the range of its rounds."""
+    lo, hi = r["ratio_range"]
+    ax.barh(y, r["ratio_per_round"], height=height, color=color, label=label)
+    ax.errorbar(r["ratio_per_round"], y, xerr=[[r["ratio_per_round"] - lo], [hi - r["ratio_per_round"]]],
+                color="black", lw=0.8, capsize=2)
+
+
 def plot_softcap_variants(results: Path, out: Path, name: str) -> Path:
     """The head loss's cross-entropy kernel against its variants, one chunk: the per-round ratio over the kernel
     (median and range of alternated rounds), for the bf16 and the FP8 head's e5m2 gradient."""
@@ -351,10 +359,7 @@ def plot_softcap_variants(results: Path, out: Path, name: str) -> Path:
         for i, variant in enumerate(names):
             r = data[f"{variant}, {grad} gradient"]
             y = i + (j - 0.5) * 0.38
-            lo, hi = r["ratio_range"]
-            ax.barh(y, r["ratio_per_round"], height=0.36, color=color, label=f"{grad} gradient" if i == 0 else None)
-            ax.errorbar(r["ratio_per_round"], y, xerr=[[r["ratio_per_round"] - lo], [hi - r["ratio_per_round"]]],
-                        color="black", lw=0.8, capsize=2)
+            _ratio_bar(ax, y, r, 0.36, color, f"{grad} gradient" if i == 0 else None)
     ax.axvline(1.0, color="black", lw=0.8)
     ax.set_yticks(range(len(names)), names, fontsize=7)
     ax.invert_yaxis()
@@ -380,11 +385,7 @@ def plot_dgrad_paths(results: list[Path], out: Path, name: str) -> Path:
                 continue
             r = paths[path]
             y = i + (j - (len(data) - 1) / 2) * height
-            lo, hi = r["ratio_range"]
-            ax.barh(y, r["ratio_per_round"], height=height * 0.9, color=colors[j % len(colors)],
-                    label=f"process {j + 1}" if i == 0 else None)
-            ax.errorbar(r["ratio_per_round"], y, xerr=[[r["ratio_per_round"] - lo], [hi - r["ratio_per_round"]]],
-                        color="black", lw=0.8, capsize=2)
+            _ratio_bar(ax, y, r, height * 0.9, colors[j % len(colors)], f"process {j + 1}" if i == 0 else None)
     ax.axvline(1.0, color="black", lw=0.8)
     ax.set_yticks(range(len(names)), [textwrap.fill(n, 70) for n in names], fontsize=7)
     ax.invert_yaxis()
