@@ -55,9 +55,11 @@ def relu2_dgrad(dy: torch.Tensor, w: torch.Tensor, post: torch.Tensor) -> torch.
     return (dy @ w) * (2 * post.sqrt())
 
 
-@relu2_dgrad.register_fake
-def _(dy, w, post):
+def _dgrad_fake(dy, w, post):
     return dy.new_empty((dy.shape[0], w.shape[1]))
+
+
+relu2_dgrad.register_fake(_dgrad_fake)
 
 
 @torch.library.custom_op("creditlab::relu2_dgrad_gluon", mutates_args=())
@@ -69,9 +71,7 @@ def relu2_dgrad_gluon(dy: torch.Tensor, w: torch.Tensor, post: torch.Tensor) -> 
     return relu2_dgrad(dy, w, post)
 
 
-@relu2_dgrad_gluon.register_fake
-def _(dy, w, post):
-    return dy.new_empty((dy.shape[0], w.shape[1]))
+relu2_dgrad_gluon.register_fake(_dgrad_fake)
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:

@@ -19,6 +19,8 @@ import functools
 
 import torch
 
+from creditlab.kernels._triton import multiprocessors, triton
+
 try:  # Gluon ships with Triton 3.4 and later
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -139,12 +141,12 @@ if gluon is not None:
 
 def available(t: torch.Tensor) -> bool:
     """Whether the Gluon kernel can run on t's device: a CUDA device of compute capability 9 with Gluon."""
-    return gluon is not None and t.is_cuda and torch.cuda.get_device_capability(t.device)[0] == 9
+    return gluon is not None and t.is_cuda and _major_capability(t.device.index or 0) == 9
 
 
 @functools.cache
-def _multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _major_capability(index: int) -> int:  # asked at every MLP backward
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def _descriptor(t: torch.Tensor, block: list[int]):
@@ -167,8 +169,8 @@ def _launch(a: torch.Tensor, b: torch.Tensor, b_is_kn: bool, epilogue: int, post
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     c_desc = _descriptor(out, [BLOCK_M, BLOCK_N])
     post_desc = _descriptor(post.contiguous(), [BLOCK_M, BLOCK_N]) if post is not None else c_desc
-    tiles = triton_cdiv(M, BLOCK_M) * triton_cdiv(N, BLOCK_N)
-    grid = (min(tiles, programs or _multiprocessors(a.device.index or 0)),)
+    tiles = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)
+    grid = (min(tiles, programs or multiprocessors(a.device.index or 0)),)
     _mlp_kernel[grid](_descriptor(a, [BLOCK_M, block_k]),
                       _descriptor(b, [block_k, BLOCK_N] if b_is_kn else [BLOCK_N, block_k]), post_desc, c_desc, M, N,
                       K_STEPS=K // block_k, B_IS_KN=b_is_kn, EPILOGUE=epilogue,
@@ -191,7 +193,3 @@ def relu2_dgrad(dy: torch.Tensor, w: torch.Tensor, post: torch.Tensor | None, **
 def matmul(a: torch.Tensor, b: torch.Tensor, b_is_kn: bool, **tiles) -> torch.Tensor:
     """a b (b: (K, N)) or a b^T (b: (N, K)), no epilogue: the kernel's own speed."""
     return _launch(a, b, b_is_kn, EPILOGUE_NONE, **tiles)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)

@@ -15,11 +15,10 @@ column halves, which halves the shared memory its store and the loaded `post` ti
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
-from creditlab.kernels._triton import tl, triton
+from creditlab.kernels._triton import multiprocessors, tl, triton
 
 if triton is not None:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -102,14 +101,9 @@ def supported(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.shape[1] % 8 == 0 and b.shape[1] % 8 == 0)
 
 
-@functools.cache
-def _multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _programs(device: torch.device, tiles: int) -> int:
     if device.type == "cuda":
-        return min(tiles, _multiprocessors(device.index if device.index is not None else 0))
+        return min(tiles, multiprocessors(device.index if device.index is not None else 0))
     return min(tiles, 3)  # the interpreter: a few programs, so that one program walks several tiles
 
 
