@@ -100,6 +100,10 @@ class CreditConfig:
     # own (no gain measured, benchmarks/predictor_cost.md). MLP branches keep their own product either way: their
     # expansion is the fused ReLU^2 kernel.
     gates: str = "separate"
+    # streaming only: fused computes each branch's state gate sigmoid(n G^T) and its decode (code * g) D^T in Triton
+    # kernels that keep the sigmoid and the gating on chip (kernels/gate_decode.py, CUDA); plain gives each a
+    # cuBLAS product and the compiler's pass beside it
+    products: str = "plain"
     predictor_lr: float = 1e-2  # held-out fit after 150 teacher steps (tiny): 3e-3 0.82, 1e-2 0.78, 3e-2 0.77, 1e-1 0.81
     # The teacher's fit products over (B, T, d): "auto" runs them in the gradient's dtype (bf16 under autocast,
     # with float32 sums); "float32" always in float32 or better.
@@ -125,7 +129,7 @@ class CreditConfig:
 
 
 RECOMPUTE_PARTS = ("norm", "qk", "mlp")
-MLPS = ("fused", "plain")  # also the choices of model.qk, model.embed, credit.decode and credit.fit_rows
+MLPS = ("fused", "plain")  # also the choices of model.qk, model.embed, credit.decode, .fit_rows and .products
 NORMS = ("plain", "keep_output")
 HEADS = ("plain", "fp8")
 MLP_DGRADS = ("triton", "gluon")
@@ -429,10 +433,9 @@ def validate(cfg: Config) -> None:
             if c.schedule.startswith("adaptive") and not source.fits_with(cfg):
                 problems.append(f"credit.schedule={c.schedule}: adapts to the fit measured on teacher updates, and "
                                 f"credit.source={c.source} fits nothing; use fixed:K or warmup:N,K")
-    if c.fit_rows not in MLPS:
-        problems.append(f"credit.fit_rows must be one of {'|'.join(MLPS)}, got {c.fit_rows!r}")
-    if c.decode not in MLPS:
-        problems.append(f"credit.decode must be one of {'|'.join(MLPS)}, got {c.decode!r}")
+    for key in ("fit_rows", "decode", "products"):
+        if getattr(c, key) not in MLPS:
+            problems.append(f"credit.{key} must be one of {'|'.join(MLPS)}, got {getattr(c, key)!r}")
     if c.gates not in GATES:
         problems.append(f"credit.gates must be one of {'|'.join(GATES)}, got {c.gates!r}")
     if c.fit_precision not in ("auto", "float32"):

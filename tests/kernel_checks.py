@@ -310,6 +310,78 @@ def norm_decode_opcheck():
     return results
 
 
+def gate_decode_errors(tokens, d, r2, seed=0, strided=False, tiles=True, wrong=None):
+    """The predictor's state gate and gated decode (kernels/gate_decode.py) on fresh random float32 inputs, into
+    NaN-poisoned outputs, against float64; tokens not a multiple of a program's rows. `tiles`: small tiles, so a
+    program walks several K steps and column chunks (else the defaults, one partial program). `strided`: n, code
+    and gate as column slices of wider tensors (a typed code's slice). `wrong`: compare the decode against
+    code D^T (the gate left out) and the gate against n G^T (the sigmoid left out)."""
+    from creditlab.kernels import gate_decode as gd
+
+    g = torch.Generator().manual_seed(seed)
+    extra = 8 if strided else 0
+    n = (torch.randn(tokens, d + extra, generator=g) * 1.5)[:, extra:]
+    code = torch.randn(tokens, r2 + extra, generator=g)[:, :r2]
+    gate = torch.rand(tokens, r2 + extra, generator=g)[:, extra:]
+    gate_weight, decoder = torch.randn(r2, d, generator=g) * 2 * d ** -0.5, torch.randn(d, r2, generator=g) * 0.3
+    gate_tiles, decode_tiles = ((gd.GateTiles(16, 16, 2, 4), gd.DecodeTiles(16, 32, 4)) if tiles
+                                else (gd.GATE_TILES, gd.DECODE_TILES))
+    got_gate = gd.state_gate(n, gate_weight, gate_tiles, out=torch.full((tokens, r2), float("nan")))
+    got_decode = gd.gated_decode(code, gate, decoder, decode_tiles, out=torch.full((tokens, d), float("nan")))
+    logits = n.double() @ gate_weight.double().t()
+    want_gate = logits if wrong else torch.sigmoid(logits)
+    want_decode = (code.double() * (1 if wrong else gate.double())) @ decoder.double().t()
+    err = lambda a, b: ((a.double() - b).abs().max() / b.abs().max()).item()  # noqa: E731
+    return {"gate": err(got_gate, want_gate), "decode": err(got_decode, want_decode),
+            "all_written": bool(not (got_gate.isnan().any() or got_decode.isnan().any())), "strided": strided}
+
+
+def streaming_products_through_kernels():
+    """The learned source's streaming share (credit/predictor.py, _GatedAdjoint) with its gate and its decode
+    through the Triton operators (CPU float32, the interpreter) against the same Function in float64 on the torch
+    path: the gradient of the branch input, which is the branch's correction."""
+    from creditlab.credit import predictor
+    from creditlab.kernels import gate_decode as gd
+
+    takes, launched = gd.takes, []
+    real = gd._run_gate, gd._run_decode
+    gd._run_gate = lambda *a, **k: launched.append("gate") or real[0](*a, **k)
+    gd._run_decode = lambda *a, **k: launched.append("decode") or real[1](*a, **k)
+    try:
+        g = torch.Generator().manual_seed(8)
+        B, T, d, r2 = 2, 37, 32, 16
+        n = torch.randn(B, T, d, generator=g)
+        gate_weight, decoder = torch.randn(r2, d, generator=g) * 0.3, torch.randn(d, r2, generator=g) * 0.3
+        code = torch.randn(B, T, r2, generator=g)
+        grads = {}
+        for name, dtype, kernel in (("kernel", torch.float32, True), ("torch", torch.float64, False)):
+            gd.takes = lambda *t, widths=(), k=kernel: k
+            ni = n.detach().to(dtype).requires_grad_(True)
+            share = predictor._GatedAdjoint.apply(ni, gate_weight.to(dtype), decoder.to(dtype), kernel)
+            share.backward(code.to(dtype))
+            grads[name] = ni.grad
+        ungated = (code.double() @ decoder.double().t())  # the same decode without the gate
+        scale = grads["torch"].abs().max()
+        return {"dn": ((grads["kernel"].double() - grads["torch"]).abs().max() / scale).item(),
+                "gate_matters": ((ungated - grads["torch"]).abs().max() / scale).item(), "launched": launched}
+    finally:
+        gd.takes, (gd._run_gate, gd._run_decode) = takes, real
+
+
+def gate_decode_opcheck():
+    """The state-gate and gated-decode operators have valid schemas."""
+    from creditlab.kernels import gate_decode as gd
+
+    g = torch.Generator().manual_seed(9)
+    n, small = torch.randn(2, 20, 32, generator=g), torch.randn(2, 20, 16, generator=g)
+    results = {}
+    for name, op, args in (("state_gate", gd.state_gate_op, (n, torch.randn(16, 32, generator=g))),
+                           ("gated_decode", gd.gated_decode_op, (small, small.sigmoid(), torch.randn(32, 16, generator=g)))):
+        result = torch.library.opcheck(op, args, test_utils=("test_schema",))
+        results[name] = all(v == "SUCCESS" for v in result.values())
+    return results
+
+
 def fit_rows_errors(tokens, d, r2, seed=0, wrong_gate_derivative=False):
     """The teacher's rank-space kernel (kernels/fit_rows.py) on fresh random float32 inputs, into NaN-poisoned
     outputs, against the same quantities in float64; tokens not a multiple of a program's tokens, several
@@ -485,6 +557,12 @@ if __name__ == "__main__":
         "norm_decode_dropped": norm_decode_errors(70, 64, 16, True, drop_decode=True),
         "norm_decode_residual_dropped": norm_decode_errors(70, 64, 16, True, seed=3, drop_residual=True),
         "fused_decode": fused_decode_through_kernel(),
+        "gate_decode_tiles": gate_decode_errors(70, 64, 16),
+        "gate_decode_strided": gate_decode_errors(37, 32, 32, seed=1, strided=True),
+        "gate_decode_default_tiles": gate_decode_errors(45, 64, 64, seed=2, tiles=False),
+        "gate_decode_wrong": gate_decode_errors(70, 64, 16, wrong=True),
+        "streaming_products": streaming_products_through_kernels(),
+        "gate_decode_opcheck": gate_decode_opcheck(),
         "norm_decode_opcheck": norm_decode_opcheck(),
         "qk_even": qk_norm_rotary_errors(2, 32, 2, 16),
         "qk_partial_rows": qk_norm_rotary_errors(1, 37, 3, 8, seed=1),

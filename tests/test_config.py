@@ -139,6 +139,7 @@ def test_bad_values_raise_a_clear_error(override, words):
     (["credit.teacher_every=-1"], "teacher_every"),
     (["credit.fit_rows=triton"], "credit.fit_rows"),
     (["credit.decode=inside"], "credit.decode"),
+    (["credit.products=cublas"], "credit.products"),
     (["model.head=fp16"], "model.head"),
     (["model.head=fp8", "train.loss_chunk=100"], "train.loss_chunk to be a multiple of 16"),
     (["model.head=fp8", "model.vocab_pad_multiple=1", "model.vocab_size=101"], "padded vocabulary"),

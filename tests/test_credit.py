@@ -650,7 +650,8 @@ def test_a_gate_merged_into_the_wrong_rows_is_caught():
     assert max(checks._rel_errors(wrong, right).values()) > 1e-3
 
 
-@pytest.mark.parametrize("option", ["credit.decode=fused", pytest.param("credit.gates=merged", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("option", ["credit.decode=fused", pytest.param("credit.gates=merged", marks=pytest.mark.slow),
+                                    pytest.param("credit.products=fused", marks=pytest.mark.slow)])
 def test_the_fused_decode_and_merged_gates_compile_to_one_graph_and_train_as_eager(option, monkeypatch):
     cfg = load("tiny", ["model.vocab_size=97", "credit.source=learned", option])
     source = make_source(cfg)

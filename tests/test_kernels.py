@@ -132,6 +132,29 @@ def test_the_norm_decode_operator_declares_its_schema_truthfully(report):
     assert report["norm_decode_opcheck"] and all(report["norm_decode_opcheck"].values()), report["norm_decode_opcheck"]
 
 
+@pytest.mark.parametrize("case", ["gate_decode_tiles", "gate_decode_strided", "gate_decode_default_tiles"])
+def test_the_predictors_gate_and_decode_kernels_match_float64_and_write_every_element(report, case):
+    r = report[case]
+    assert r["all_written"], r
+    assert r["gate"] < 1e-6 and r["decode"] < 1e-6, r  # float32 accumulation of K <= 64 products
+
+
+def test_the_gate_decode_comparison_fails_without_the_sigmoid_or_the_gate(report):
+    r = report["gate_decode_wrong"]  # the same kernels against n G^T and code D^T
+    assert r["gate"] > 1e-2 and r["decode"] > 1e-2, r
+
+
+def test_the_streaming_share_through_the_gate_decode_operators_matches_its_float64_torch_path(report):
+    r = report["streaming_products"]
+    assert r["launched"] == ["gate", "decode"], r  # both kernels ran, not the fallback
+    assert r["gate_matters"] > 0.1, r  # the gate changes the correction, so a decode that dropped it would fail
+    assert r["dn"] < 1e-6, r
+
+
+def test_the_gate_decode_operators_declare_their_schemas_truthfully(report):
+    assert report["gate_decode_opcheck"] and all(report["gate_decode_opcheck"].values()), report["gate_decode_opcheck"]
+
+
 @pytest.mark.parametrize("case", ["fit_rows", "fit_rows_one_program"])
 def test_fit_rows_kernel_matches_float64_and_writes_every_element(report, case):
     r = report[case]
@@ -157,7 +180,7 @@ def test_the_fit_rows_operator_declares_its_shapes_truthfully(report):
 def _hopper_cases():
     """(kernel, its arguments' types in order, constants, warps) at the seed shape, for the kernels that take plain
     pointers (the fused MLP's takes TMA descriptors, made on a GPU)."""
-    from creditlab.kernels import embedding_grad, fit_rows, norm_decode, qk_norm_rotary as qk, softcap_ce, tiled_transpose
+    from creditlab.kernels import embedding_grad, fit_rows, gate_decode as gd, norm_decode, qk_norm_rotary as qk, softcap_ce, tiled_transpose
 
     tiles = fit_rows.DEFAULT_TILES
     return {
@@ -185,12 +208,18 @@ def _hopper_cases():
                                                             "*bf16", "i32"],
                         {"D": 512, "R2": 64, "ROWS": norm_decode.ROWS, "HAS_DN": False, "HAS_RESIDUAL": True},
                         norm_decode.WARPS),
+        "state_gate": (gd._state_gate, ["*bf16", "*bf16", "*bf16", "i32", "i32"],
+                       {"K": 512, "R": 64, "BLOCK_M": gd.GATE_TILES.block_m, "BLOCK_K": gd.GATE_TILES.block_k,
+                        "STAGES": gd.GATE_TILES.stages}, gd.GATE_TILES.warps),
+        "gated_decode": (gd._gated_decode, ["*bf16"] * 4 + ["i32"] * 3,
+                         {"N": 512, "R": 64, "BLOCK_M": gd.DECODE_TILES.block_m, "BLOCK_N": gd.DECODE_TILES.block_n},
+                         gd.DECODE_TILES.warps),
     }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["fit_rows", "qk_forward", "qk_backward", "softcap_ce", "softcap_ce_fp8", "transpose",
-                                  "norm_decode", "embedding_grad"])
+                                  "norm_decode", "embedding_grad", "state_gate", "gated_decode"])
 def test_each_kernel_compiles_for_hopper(name):
     """Through Triton's whole compiler to a cubin for sm_90 at the seed shape's constants, on the CPU: what the
     interpreter lets pass (a global that is not a constexpr, a shape past the shared memory) fails here."""

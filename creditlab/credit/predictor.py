@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from creditlab.config import Config, CreditConfig, ModelConfig
+from creditlab.kernels import gate_decode as gate_decode_kernel
 from creditlab.kernels import norm_decode as norm_decode_kernel
 from creditlab.credit.sources import AdjointCredit, FittedSource, OmitCredit
 from creditlab.credit.teacher import LearnedTeacher
@@ -40,12 +41,28 @@ def reverse_cumsum(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
     return cumsum(x.flip(dim), dim).flip(dim)
 
 
+def state_gate(n: torch.Tensor, gate_weight: torch.Tensor, kernel: bool = False) -> torch.Tensor:
+    """sigmoid(n G^T) (..., 2r) in n's dtype. With `kernel` (credit.products=fused) one Triton kernel on CUDA
+    (kernels/gate_decode.py), the torch arithmetic elsewhere."""
+    if kernel and gate_decode_kernel.takes(n, widths=(gate_weight.shape[0],)):
+        return gate_decode_kernel.state_gate_op(n, gate_weight)
+    return torch.sigmoid(n @ gate_weight.t().to(n.dtype))
+
+
+def gated_decode(code: torch.Tensor, gate: torch.Tensor, decoder: torch.Tensor, kernel: bool = False) -> torch.Tensor:
+    """(code * gate) D^T (..., d) in code's dtype for the decoder D (d, 2r); `kernel` as for `state_gate`."""
+    if kernel and gate_decode_kernel.takes(code, gate, widths=(decoder.shape[0],)):
+        return gate_decode_kernel.gated_decode_op(code, gate, decoder)
+    return (code * gate) @ decoder.t().to(code.dtype)
+
+
 class Predictor(nn.Module):
     """The parameters and the maps of the predictor; shared by every organization of the credit path."""
 
-    def __init__(self, model: ModelConfig, rank: int):
+    def __init__(self, model: ModelConfig, rank: int, products: str = "plain"):
         super().__init__()
         d, branches, self.rank = model.width, model.branches, rank
+        self.kernels = products == "fused"  # credit.products: the gate and decode through kernels/gate_decode.py
         self.projection = nn.Parameter(torch.randn(self.projection_rank, d) * d ** -0.5)  # P
         self.mean_gate = nn.Parameter(torch.randn(d) * d ** -0.5)  # w
         self.mean_bias = nn.Parameter(torch.zeros(()))  # beta
@@ -73,7 +90,7 @@ class Predictor(nn.Module):
 
     # ---- forward states ---------------------------------------------------------------------------------
     def gate(self, b: int, n: torch.Tensor) -> torch.Tensor:  # (B, T, 2r)
-        return torch.sigmoid(n @ self.state_gates[b].to(n.dtype).t())
+        return state_gate(n, self.state_gates[b], self.kernels)
 
     def mean_weights(self, x_terminal: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """a_s (B, T, 1) and its reverse cumulative sum A_t, in float32 or better."""
@@ -92,23 +109,25 @@ class Predictor(nn.Module):
         return torch.cat([p, m], dim=-1)
 
     def decode(self, b: int, code: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return (gate * code[..., self.code_slice(b)].to(gate.dtype)) @ self.decoders[b].to(gate.dtype).t()
+        return gated_decode(code[..., self.code_slice(b)].to(gate.dtype), gate, self.decoders[b], self.kernels)
 
     # ---- its adjoint, for streaming injection -----------------------------------------------------------
     def product_with_share(self, b: int, n: torch.Tensor, n_omitted: torch.Tensor, weight: torch.Tensor):
         """(n_omitted W^T, the branch's share of the adjoint): the share of `branch_adjoint` with its state gate
         computed in the branch's product (`credit.gates=merged`). Only n carries the share's gradient."""
         y, gate = _ProductWithGate.apply(n_omitted, weight, self.state_gates[b].detach())
-        return y, self.widen(b, _GateShare.apply(n, gate, self.decoders[b].detach()))
+        return y, self.widen(b, _GateShare.apply(n, gate, self.decoders[b].detach(), self.kernels))
 
     def branch_adjoint(self, b: int, n: torch.Tensor) -> torch.Tensor:
         """g_b * (n_b D_b): the branch's share of the adjoint, (B, T, code_width). Only n carries gradient."""
-        return self.widen(b, _GatedAdjoint.apply(n, self.state_gates[b].detach(), self.decoders[b].detach()))
+        return self.widen(b, _GatedAdjoint.apply(n, self.state_gates[b].detach(), self.decoders[b].detach(),
+                                                 self.kernels))
 
     def normed_adjoint(self, b: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(x passed on, norm(x), the branch's share of the adjoint) with the share's decode inside the norm's
         backward, which also adds the gradient of the x passed on."""
-        x, n, share = _NormGatedAdjoint.apply(x, self.state_gates[b].detach(), self.decoders[b].detach())
+        x, n, share = _NormGatedAdjoint.apply(x, self.state_gates[b].detach(), self.decoders[b].detach(),
+                                              self.kernels)
         return x, n, self.widen(b, share)
 
     def tap(self, x_terminal: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
@@ -145,23 +164,25 @@ class _GateShare(torch.autograd.Function):
     share's shape: n D is never formed. Here the gate comes computed (in the branch's product, _ProductWithGate)."""
 
     @staticmethod
-    def forward(ctx, n, gate, decoder):
+    def forward(ctx, n, gate, decoder, kernel=False):
         ctx.save_for_backward(gate, decoder)
+        ctx.kernel = kernel
         return torch.zeros_like(gate)
 
     @staticmethod
     def backward(ctx, grad):
         gate, decoder = ctx.saved_tensors
-        return (grad * gate) @ decoder.t().to(grad.dtype), None, None
+        return gated_decode(grad, gate, decoder, ctx.kernel), None, None, None
 
 
 class _GatedAdjoint(_GateShare):
     """_GateShare with the state gate g = sigmoid(n G^T) computed in its own product."""
 
     @staticmethod
-    def forward(ctx, n, gate_weight, decoder):
-        gate = torch.sigmoid(n @ gate_weight.t().to(n.dtype))  # (B, T, 2r)
+    def forward(ctx, n, gate_weight, decoder, kernel=False):
+        gate = state_gate(n, gate_weight, kernel)  # (B, T, 2r)
         ctx.save_for_backward(gate, decoder)
+        ctx.kernel = kernel
         return torch.zeros_like(gate)
 
 
@@ -213,10 +234,10 @@ class _NormGatedAdjoint(torch.autograd.Function):
     (`credit.decode=fused`)."""
 
     @staticmethod
-    def forward(ctx, x, gate_weight, decoder):
+    def forward(ctx, x, gate_weight, decoder, kernel=False):
         ctx.set_materialize_grads(False)  # an MLP branch's n has no exact use: no zero gradient to read
         n, scale = norm_with_scale(x)
-        gate = torch.sigmoid(n @ gate_weight.t().to(n.dtype))
+        gate = state_gate(n, gate_weight, kernel)
         ctx.save_for_backward(n, scale, gate, decoder)
         return x.view_as(x), n, torch.zeros_like(gate)
 
@@ -228,7 +249,7 @@ class _NormGatedAdjoint(torch.autograd.Function):
         rows = lambda t: None if t is None else t.reshape(-1, t.shape[-1])  # noqa: E731
         dx = norm_decode_backward(rows(dn), rows(residual), rows(n), scale.reshape(-1), rows(code.to(gate.dtype)),
                                   rows(gate), decoder)
-        return dx.view(n.shape), None, None
+        return dx.view(n.shape), None, None, None
 
 
 class LearnedCredit(AdjointCredit):
@@ -277,7 +298,7 @@ class LearnedSource(FittedSource):
 
     def __init__(self, model: ModelConfig, credit: CreditConfig):
         super().__init__(credit)
-        self.predictor = self.predictor_class(model, credit.rank)
+        self.predictor = self.predictor_class(model, credit.rank, credit.products)
         self.materialized = credit.materialized
 
     @classmethod
