@@ -132,15 +132,17 @@ def test_the_norm_decode_operator_declares_its_schema_truthfully(report):
     assert report["norm_decode_opcheck"] and all(report["norm_decode_opcheck"].values()), report["norm_decode_opcheck"]
 
 
-@pytest.mark.parametrize("case", ["gate_decode_tiles", "gate_decode_strided", "gate_decode_default_tiles"])
+@pytest.mark.parametrize("case", ["gate_decode_tiles", "gate_decode_strided", "gate_decode_default_tiles",
+                                  "gate_decode_tma", "gate_decode_tma_strided"])
 def test_the_predictors_gate_and_decode_kernels_match_float64_and_write_every_element(report, case):
     r = report[case]
     assert r["all_written"], r
     assert r["gate"] < 1e-6 and r["decode"] < 1e-6, r  # float32 accumulation of K <= 64 products
 
 
-def test_the_gate_decode_comparison_fails_without_the_sigmoid_or_the_gate(report):
-    r = report["gate_decode_wrong"]  # the same kernels against n G^T and code D^T
+@pytest.mark.parametrize("case", ["gate_decode_wrong", "gate_decode_tma_wrong"])
+def test_the_gate_decode_comparison_fails_without_the_sigmoid_or_the_gate(report, case):
+    r = report[case]  # the same kernels against n G^T and code D^T
     assert r["gate"] > 1e-2 and r["decode"] > 1e-2, r
 
 
