@@ -70,20 +70,18 @@ def main() -> int:
         "decode": [("plain, compiled: the gated code, then a cuBLAS product",
                     lambda: plain_decode(code, gate, decoder), want_decode),
                    ("cuBLAS product alone (gated code given)", lambda: gated @ d16.t(), want_gated_decode)]}
-    gate_tiles = [gd.GATE_TILES, gd.GateTiles(64, 128, 3, 4), gd.GateTiles(128, 64, 4, 8), gd.GateTiles(64, 64, 4, 4)]
-    gate_tiles += [gd.GateTiles(bm, bk, stages, warps, tma=True) for bm, bk, stages, warps in
-                   ((128, 64, 3, 4), (128, 64, 4, 8), (64, 128, 3, 4), (128, 128, 3, 8), (64, 64, 4, 4), (256, 64, 3, 8))]
-    decode_tiles = [gd.DECODE_TILES, gd.DecodeTiles(128, 64, 4)]
-    decode_tiles += [gd.DecodeTiles(bm, bn, warps, tma=True) for bm, bn, warps in
-                     ((128, 128, 4), (128, 64, 4), (64, 128, 4), (128, 256, 8), (64, 256, 4), (256, 128, 8))]
+    gate_tiles = [gd.GATE_TILES] + [gd.GateTiles(bm, bk, stages, warps) for bm, bk, stages, warps in
+                                    ((128, 64, 3, 4), (128, 64, 4, 8), (128, 128, 3, 8), (64, 64, 4, 4), (256, 64, 3, 8))]
+    decode_tiles = [gd.DECODE_TILES] + [gd.DecodeTiles(bm, bn, warps) for bm, bn, warps in
+                                        ((128, 128, 4), (64, 128, 4), (128, 256, 8), (64, 256, 4), (256, 128, 8))]
     default = lambda tiles, chosen: " (the default)" if tiles == chosen else ""  # noqa: E731
     for tiles in dict.fromkeys(gate_tiles):
-        groups["gate"].append((f"kernel{', TMA' if tiles.tma else ''}: {tiles.block_m} rows, K steps of "
+        groups["gate"].append((f"kernel, TMA: {tiles.block_m} rows, K steps of "
                                f"{tiles.block_k}, {tiles.stages} stages, {tiles.warps} warps"
                                f"{default(tiles, gd.GATE_TILES)}",
                                lambda t=tiles: gd.state_gate(n, gate_weight, t), want_gate))
     for tiles in dict.fromkeys(decode_tiles):
-        groups["decode"].append((f"kernel{', TMA' if tiles.tma else ''}: {tiles.block_m} rows, column chunks of "
+        groups["decode"].append((f"kernel, TMA: {tiles.block_m} rows, column chunks of "
                                  f"{tiles.block_n}, {tiles.warps} warps{default(tiles, gd.DECODE_TILES)}",
                                  lambda t=tiles: gd.gated_decode(code, gate, decoder, t), want_decode))
     moved = {"gate": N * d * 2 + N * r2 * 2, "decode": 2 * N * r2 * 2 + N * d * 2}  # the bytes each must move

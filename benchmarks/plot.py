@@ -276,6 +276,8 @@ ARMS_FIGURES = [
      "credit arms, the Gluon derivative product by default (the last screen's tree)"),
     ("arms_final_prefetch_seed.json", "arms_final_prefetch_seed.png",
      "credit arms, micro-batches made ahead (the last screen's tree)"),
+    ("arms_fused_products_seed.json", "arms_fused_products_seed.png",
+     "learned with the gate and decode as Triton kernels (pointer loads) vs cuBLAS"),
 ]
 
 
@@ -396,6 +398,31 @@ def plot_dgrad_paths(results: list[Path], out: Path, name: str) -> Path:
     return _save(fig, out / name)
 
 
+def plot_gate_decode(results: Path, out: Path, name: str) -> Path:
+    """The predictor's skinny products, one branch and micro-batch: each path's time per call and its rate over the
+    bytes it must move (medians of alternated rounds), the state gate and the decode in a panel each."""
+    data = json.loads(results.read_text())
+    paths = data["paths"]
+    products = list(dict.fromkeys(r["product"] for r in paths.values()))
+    fig, axes = plt.subplots(len(products), 1, figsize=(10, 0.3 * len(paths) + 2.2), squeeze=False)
+    for ax, product in zip(axes[:, 0], products):
+        names = [k for k, r in paths.items() if r["product"] == product]
+        us = [paths[k]["median_ms"] * 1e3 for k in names]
+        colors = ["#dd8452" if k.startswith("plain") else "#8c8c8c" if k.startswith("cuBLAS") else
+                  "#55a868" if "TMA" in k else "#4c72b0" for k in names]
+        ax.barh(range(len(names)), us, color=colors)
+        for i, k in enumerate(names):
+            ax.text(us[i], i, f" {us[i]:.1f} µs, {paths[k]['tb_per_s']:.2f} TB/s", va="center", fontsize=7)
+        ax.set_yticks(range(len(names)), [textwrap.fill(k, 75) for k in names], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlim(0, max(us) * 1.3)
+        ax.set(xlabel="µs per call (median of 10 alternated rounds, CUDA graphs of 20 calls)", title=product)
+    fig.suptitle(f"the predictor's skinny products, {data['tokens']:,} tokens x {data['width']} <-> "
+                 f"{data['code_width']}, bf16, one H200\norange: the plain path as compiled; grey: its cuBLAS "
+                 "product alone; blue: Triton kernel, pointer loads; green: Triton kernel, TMA", fontsize=9)
+    return _save(fig, out / name)
+
+
 def plot_embedding_grad(results: Path, out: Path, name: str) -> Path:
     """The embedding tables' backward, one micro-batch, in ms (medians of alternated rounds): the lookups'
     forward + backward less the forward alone, and the kernel configurations' sort and tables alone, for the
@@ -490,6 +517,8 @@ def main() -> None:
                            "relu2_hopper_flat_seed.png"))
     print(plot_dgrad_paths([results / "relu2_hopper_seed.json"], out, "relu2_hopper_seed.png"))
     print(plot_dgrad_paths([results / "relu2_hopper_expand_seed.json"], out, "relu2_hopper_expand_seed.png"))
+    print(plot_gate_decode(results / "gate_decode_first_seed.json", out, "gate_decode_first_seed.png"))
+    print(plot_gate_decode(results / "gate_decode_seed.json", out, "gate_decode_seed.png"))
     print(plot_kernel_bandwidth(results / "kernel_bandwidth_seed.json", out, "kernel_bandwidth_seed.png"))
     print(plot_kernel_classes({"native, before the fused modules": results / "profile_native_busy_seed.txt",
                                "native now": results / "profile_native_final_busy_seed.txt",

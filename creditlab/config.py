@@ -101,8 +101,8 @@ class CreditConfig:
     # expansion is the fused ReLU^2 kernel.
     gates: str = "separate"
     # streaming only: fused computes each branch's state gate sigmoid(n G^T) and its decode (code * g) D^T in Triton
-    # kernels that keep the sigmoid and the gating on chip (kernels/gate_decode.py, CUDA); plain gives each a
-    # cuBLAS product and the compiler's pass beside it
+    # kernels that keep the sigmoid and the gating on chip (kernels/gate_decode.py, CUDA; measured no faster,
+    # benchmarks/predictor_cost.md); plain gives each a cuBLAS product, the compiler folding the rest into its passes
     products: str = "plain"
     predictor_lr: float = 1e-2  # held-out fit after 150 teacher steps (tiny): 3e-3 0.82, 1e-2 0.78, 3e-2 0.77, 1e-1 0.81
     # The teacher's fit products over (B, T, d): "auto" runs them in the gradient's dtype (bf16 under autocast,

@@ -310,13 +310,12 @@ def norm_decode_opcheck():
     return results
 
 
-def gate_decode_errors(tokens, d, r2, seed=0, strided=False, tiles=True, wrong=None, tma=False):
+def gate_decode_errors(tokens, d, r2, seed=0, strided=False, tiles=True, wrong=None):
     """The predictor's state gate and gated decode (kernels/gate_decode.py) on fresh random float32 inputs, into
     NaN-poisoned outputs, against float64; tokens not a multiple of a program's rows. `tiles`: small tiles, so a
     program walks several K steps and column chunks (else the defaults, one partial program). `strided`: n, code
     and gate as column slices of wider tensors (a typed code's slice). `wrong`: compare the decode against
-    code D^T (the gate left out) and the gate against n G^T (the sigmoid left out). `tma`: the kernels that move
-    their tiles through TMA descriptors."""
+    code D^T (the gate left out) and the gate against n G^T (the sigmoid left out)."""
     from creditlab.kernels import gate_decode as gd
 
     g = torch.Generator().manual_seed(seed)
@@ -325,7 +324,7 @@ def gate_decode_errors(tokens, d, r2, seed=0, strided=False, tiles=True, wrong=N
     code = torch.randn(tokens, r2 + extra, generator=g)[:, :r2]
     gate = torch.rand(tokens, r2 + extra, generator=g)[:, extra:]
     gate_weight, decoder = torch.randn(r2, d, generator=g) * 2 * d ** -0.5, torch.randn(d, r2, generator=g) * 0.3
-    gate_tiles, decode_tiles = ((gd.GateTiles(16, 16, 2, 4, tma), gd.DecodeTiles(16, 32, 4, tma)) if tiles
+    gate_tiles, decode_tiles = ((gd.GateTiles(16, 16, 2, 4), gd.DecodeTiles(16, 32, 4)) if tiles
                                 else (gd.GATE_TILES, gd.DECODE_TILES))
     got_gate = gd.state_gate(n, gate_weight, gate_tiles, out=torch.full((tokens, r2), float("nan")))
     got_decode = gd.gated_decode(code, gate, decoder, decode_tiles, out=torch.full((tokens, d), float("nan")))
@@ -562,9 +561,6 @@ if __name__ == "__main__":
         "gate_decode_strided": gate_decode_errors(37, 32, 32, seed=1, strided=True),
         "gate_decode_default_tiles": gate_decode_errors(45, 64, 64, seed=2, tiles=False),
         "gate_decode_wrong": gate_decode_errors(70, 64, 16, wrong=True),
-        "gate_decode_tma": gate_decode_errors(70, 64, 16, seed=3, tma=True),
-        "gate_decode_tma_strided": gate_decode_errors(37, 32, 32, seed=4, strided=True, tma=True),
-        "gate_decode_tma_wrong": gate_decode_errors(70, 64, 16, wrong=True, tma=True),
         "streaming_products": streaming_products_through_kernels(),
         "gate_decode_opcheck": gate_decode_opcheck(),
         "norm_decode_opcheck": norm_decode_opcheck(),

@@ -6,8 +6,13 @@
   d). The gated code is formed in registers, so neither it nor the plain product's input is written.
 
 Both are bound by memory: 2r = 64 columns against d = 512, so the tensor cores idle while a tile streams in. Each
-program takes BLOCK_M rows; the gate walks K in BLOCK_K steps (software-pipelined loads); the decode holds its
-gated code tile and writes the output in BLOCK_N column chunks against the decoder, which stays in L2.
+program takes BLOCK_M rows, its tiles moved by TMA (host-built descriptors; rows past the end load as zeros and
+are not stored); the gate walks K in BLOCK_K steps (software-pipelined loads); the decode holds its gated code
+tile and writes the output in BLOCK_N column chunks against the decoder, which stays in L2.
+
+Measured at the seed shape on an H200 they are no faster than cuBLAS's products alone, and in the step the
+compiler folds the sigmoid and the gating into passes it makes anyway, so `credit.products=plain` stays the
+default (benchmarks/predictor_cost.md).
 """
 
 from __future__ import annotations
@@ -22,21 +27,20 @@ if triton is not None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
 
+# The fastest measured at the seed shape on an H200 (benchmarks/results/gate_decode_seed.md).
 @dataclasses.dataclass(frozen=True)
 class GateTiles:
-    block_m: int = 128
-    block_k: int = 64
-    stages: int = 4
+    block_m: int = 64
+    block_k: int = 128
+    stages: int = 3
     warps: int = 4
-    tma: bool = False  # tiles moved by TMA descriptors (host-built) rather than pointer loads and stores
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeTiles:
     block_m: int = 128
-    block_n: int = 128
+    block_n: int = 64
     warps: int = 4
-    tma: bool = False
 
 
 GATE_TILES = GateTiles()
@@ -46,41 +50,8 @@ DECODE_TILES = DecodeTiles()
 if triton is not None:
 
     @triton.jit
-    def _state_gate(n, gate_weight, out, tokens, stride_n, K: tl.constexpr, R: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-        rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        valid = rows < tokens
-        ks = tl.arange(0, BLOCK_K)
-        rs = tl.arange(0, R)
-        acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
-        for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            a = tl.load(n + rows[:, None] * stride_n + (k + ks)[None, :], mask=valid[:, None], other=0.0)
-            b = tl.load(gate_weight + rs[None, :] * K + (k + ks)[:, None])  # (BLOCK_K, R): a chunk of G^T
-            acc = tl.dot(a, b, acc)
-        gate = tl.sigmoid(acc)
-        tl.store(out + rows[:, None] * R + rs[None, :], gate.to(out.dtype.element_ty), mask=valid[:, None])
-
-    @triton.jit
-    def _gated_decode(code, gate, decoder, out, tokens, stride_code, stride_gate, N: tl.constexpr,
-                      R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        valid = rows < tokens
-        rs = tl.arange(0, R)
-        c = tl.load(code + rows[:, None] * stride_code + rs[None, :], mask=valid[:, None], other=0.0)
-        g = tl.load(gate + rows[:, None] * stride_gate + rs[None, :], mask=valid[:, None], other=0.0)
-        # rounded to the operands' dtype, as the plain path's elementwise product is before its matmul
-        u = (c.to(tl.float32) * g.to(tl.float32)).to(decoder.dtype.element_ty)
-        cols = tl.arange(0, BLOCK_N)
-        for n0 in tl.static_range(0, N, BLOCK_N):
-            d_t = tl.load(decoder + (n0 + cols)[None, :] * R + rs[:, None])  # (R, BLOCK_N): a chunk of D^T
-            part = tl.dot(u, d_t)
-            tl.store(out + rows[:, None] * N + (n0 + cols)[None, :], part.to(out.dtype.element_ty),
-                     mask=valid[:, None])
-
-
-    @triton.jit
-    def _state_gate_tma(n_desc, weight_desc, out_desc, K: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    def _state_gate(n_desc, weight_desc, out_desc, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                    STAGES: tl.constexpr):
         off_m = tl.program_id(0) * BLOCK_M
         R: tl.constexpr = out_desc.block_shape[1]
         acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
@@ -89,10 +60,11 @@ if triton is not None:
         out_desc.store([off_m, 0], tl.sigmoid(acc).to(out_desc.dtype))  # rows past the end are not written
 
     @triton.jit
-    def _gated_decode_tma(code_desc, gate_desc, decoder_desc, out_desc, N: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
+    def _gated_decode(code_desc, gate_desc, decoder_desc, out_desc, N: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
         off_m = tl.program_id(0) * BLOCK_M
         c = code_desc.load([off_m, 0])
+        # rounded to the operands' dtype, as the plain path's elementwise product is before its matmul
         u = (c.to(tl.float32) * gate_desc.load([off_m, 0]).to(tl.float32)).to(c.dtype)
         for n0 in tl.static_range(0, N, BLOCK_N):
             out_desc.store([off_m, n0], tl.dot(u, decoder_desc.load([n0, 0]).T).to(out_desc.dtype))
@@ -130,16 +102,11 @@ def _run_gate(kernel, n: torch.Tensor, gate_weight: torch.Tensor, tiles: GateTil
         raise ValueError(f"the gate weight must be (2r, {d}), got {tuple(gate_weight.shape)}")
     result = torch.empty((*n.shape[:-1], r), dtype=n.dtype, device=n.device) if out is None else out
     block_k = min(tiles.block_k, d)
-    weight = gate_weight.to(n.dtype).contiguous()
-    grid = (triton.cdiv(tokens, tiles.block_m),)
-    if tiles.tma:
-        kernel[grid](TensorDescriptor.from_tensor(rows, [tiles.block_m, block_k]),
-                     TensorDescriptor.from_tensor(weight, [r, block_k]),
-                     TensorDescriptor.from_tensor(result.view(tokens, r), [tiles.block_m, r]), K=d,
-                     BLOCK_M=tiles.block_m, BLOCK_K=block_k, STAGES=tiles.stages, num_warps=tiles.warps)
-    else:
-        kernel[grid](rows, weight, result, tokens, rows.stride(0), K=d, R=r, BLOCK_M=tiles.block_m,
-                     BLOCK_K=block_k, STAGES=tiles.stages, num_warps=tiles.warps)
+    kernel[(triton.cdiv(tokens, tiles.block_m),)](
+        TensorDescriptor.from_tensor(rows, [tiles.block_m, block_k]),
+        TensorDescriptor.from_tensor(gate_weight.to(n.dtype).contiguous(), [r, block_k]),
+        TensorDescriptor.from_tensor(result.view(tokens, r), [tiles.block_m, r]), K=d, BLOCK_M=tiles.block_m,
+        BLOCK_K=block_k, STAGES=tiles.stages, num_warps=tiles.warps)
     return result
 
 
@@ -153,17 +120,12 @@ def _run_decode(kernel, code: torch.Tensor, gate: torch.Tensor, decoder: torch.T
                          "must be (..., 2r), (..., 2r) and (d, 2r)")
     result = torch.empty((*code.shape[:-1], d), dtype=code.dtype, device=code.device) if out is None else out
     block_n = min(tiles.block_n, d)
-    decoder = decoder.to(code.dtype).contiguous()
-    grid = (triton.cdiv(tokens, tiles.block_m),)
-    if tiles.tma:
-        kernel[grid](TensorDescriptor.from_tensor(code_rows, [tiles.block_m, r]),
-                     TensorDescriptor.from_tensor(gate_rows, [tiles.block_m, r]),
-                     TensorDescriptor.from_tensor(decoder, [block_n, r]),
-                     TensorDescriptor.from_tensor(result.view(tokens, d), [tiles.block_m, block_n]), N=d,
-                     BLOCK_M=tiles.block_m, BLOCK_N=block_n, num_warps=tiles.warps)
-    else:
-        kernel[grid](code_rows, gate_rows, decoder, result, tokens, code_rows.stride(0), gate_rows.stride(0), N=d,
-                     R=r, BLOCK_M=tiles.block_m, BLOCK_N=block_n, num_warps=tiles.warps)
+    kernel[(triton.cdiv(tokens, tiles.block_m),)](
+        TensorDescriptor.from_tensor(code_rows, [tiles.block_m, r]),
+        TensorDescriptor.from_tensor(gate_rows, [tiles.block_m, r]),
+        TensorDescriptor.from_tensor(decoder.to(code.dtype).contiguous(), [block_n, r]),
+        TensorDescriptor.from_tensor(result.view(tokens, d), [tiles.block_m, block_n]), N=d,
+        BLOCK_M=tiles.block_m, BLOCK_N=block_n, num_warps=tiles.warps)
     return result
 
 
@@ -172,14 +134,14 @@ def state_gate(n: torch.Tensor, gate_weight: torch.Tensor, tiles: GateTiles = GA
     """sigmoid(n G^T) in n's dtype (accumulated in float32) for n (..., d) and G (2r, d). The kernel launched
     directly; compiled code calls `state_gate_op`. `out`: the contiguous (..., 2r) output, preallocated (the tests poison
     it)."""
-    return _run_gate(_state_gate_tma if tiles.tma else _state_gate, n, gate_weight, tiles, out)
+    return _run_gate(_state_gate, n, gate_weight, tiles, out)
 
 
 def gated_decode(code: torch.Tensor, gate: torch.Tensor, decoder: torch.Tensor, tiles: DecodeTiles = DECODE_TILES,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """(code * gate) D^T in code's dtype (the gated code rounded to it, the product accumulated in float32) for
     code and gate (..., 2r) and D (d, 2r). `out`: the contiguous (..., d) output, preallocated."""
-    return _run_decode(_gated_decode_tma if tiles.tma else _gated_decode, code, gate, decoder, tiles, out)
+    return _run_decode(_gated_decode, code, gate, decoder, tiles, out)
 
 
 if triton is not None:
@@ -187,11 +149,9 @@ if triton is not None:
     @torch.library.triton_op("creditlab::state_gate", mutates_args=())
     def state_gate_op(n: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
         """`state_gate` as the compiler sees it: launched from its generated code, no Python dispatch per call."""
-        kernel = _state_gate_tma if GATE_TILES.tma else _state_gate
-        return _run_gate(launcher(kernel, n), n, gate_weight)
+        return _run_gate(launcher(_state_gate, n), n, gate_weight)
 
     @torch.library.triton_op("creditlab::gated_decode", mutates_args=())
     def gated_decode_op(code: torch.Tensor, gate: torch.Tensor, decoder: torch.Tensor) -> torch.Tensor:
         """`gated_decode` as the compiler sees it."""
-        kernel = _gated_decode_tma if DECODE_TILES.tma else _gated_decode
-        return _run_decode(launcher(kernel, code), code, gate, decoder)
+        return _run_decode(launcher(_gated_decode, code), code, gate, decoder)
