@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -85,6 +86,36 @@ def alternated_rounds(run: dict, rounds: int = 10) -> dict[str, list[float]]:
         for name in (list(run) if r % 2 == 0 else list(run)[::-1]):
             times[name].append(cuda_ms(run[name], repeats=5, warmup=1))
     return times
+
+
+def checked_paths(groups: dict, wrap=lambda fn: fn) -> tuple[dict, dict, dict, dict, dict]:
+    """Each path of `groups` ({product: [(name, callable, the float64 result it computes or None)]}) run once and
+    checked against its float64 result, then all timed in alternated rounds: (times in ms, errors, failures,
+    group of each path, base path of each group, its first that ran). `wrap` turns a checked callable into the
+    one timed (a CUDA graph of several calls, say). A path that fails is reported, not fatal."""
+    runs, errors, failures, group_of = {}, {}, {}, {}
+    for group, paths in groups.items():
+        for name, fn, want in paths:
+            try:
+                got = fn()
+                torch.cuda.synchronize()
+                runs[name] = wrap(fn)
+            except Exception as error:
+                failures[name] = "".join(traceback.format_exception_only(error))[-2000:]
+                print(f"{name}: failed\n{failures[name]}", flush=True)
+                continue
+            errors[name] = None if want is None else largest_relative_error(got, want)
+            group_of[name] = group
+    times = alternated_rounds(runs) if runs else {}
+    base = {group: next(name for name in times if group_of[name] == group) for group in set(group_of.values())}
+    return times, errors, failures, group_of, base
+
+
+def round_summary(ms: list[float], base_ms: list[float]) -> dict:
+    """A path's times and their ratios over its group's base, round by round."""
+    ratios = [t / b for t, b in zip(ms, base_ms)]
+    return {"ms": ms, "median_ms": statistics.median(ms), "ratio_per_round": statistics.median(ratios),
+            "ratio_range": [min(ratios), max(ratios)]}
 
 
 def main() -> int:

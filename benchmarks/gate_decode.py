@@ -12,9 +12,7 @@ DIR/gate_decode.json and DIR/gate_decode.md. Any CUDA machine with Triton.
 
 from __future__ import annotations
 
-import statistics
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -23,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from creditlab.kernels import gate_decode as gd  # noqa: E402
-from creditlab.runtime import largest_relative_error, write_benchmark  # noqa: E402
+from creditlab.runtime import write_benchmark  # noqa: E402
 from fit_rows import branch_problem  # noqa: E402
-from fp8_head import alternated_rounds  # noqa: E402
+from fp8_head import checked_paths, round_summary  # noqa: E402
 
 CALLS = 20  # calls per graph replay
 
@@ -86,21 +84,8 @@ def main() -> int:
                                  lambda t=tiles: gd.gated_decode(code, gate, decoder, t), want_decode))
     moved = {"gate": N * d * 2 + N * r2 * 2, "decode": 2 * N * r2 * 2 + N * d * 2}  # the bytes each must move
 
-    runs, errors, failures, group_of = {}, {}, {}, {}
-    for group, paths in groups.items():
-        for name, fn, want in paths:
-            try:
-                got = fn()
-                torch.cuda.synchronize()
-                runs[name] = graphed(fn)
-            except Exception as error:  # a path that does not compile is reported, not fatal
-                failures[name] = "".join(traceback.format_exception_only(error))[-2000:]
-                print(f"{name}: failed\n{failures[name]}", flush=True)
-                continue
-            errors[name] = None if want is None else largest_relative_error(got, want)
-            group_of[name] = group
-    times = {name: [t / CALLS for t in ms] for name, ms in (alternated_rounds(runs) if runs else {}).items()}
-    base = {group: next(name for name in times if group_of[name] == group) for group in set(group_of.values())}
+    replays, errors, failures, group_of, base = checked_paths(groups, graphed)
+    times = {name: [t / CALLS for t in ms] for name, ms in replays.items()}
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": N, "width": d,
               "code_width": r2, "calls_per_replay": CALLS, "paths": {}, "failures": failures}
     lines = [f"# The predictor's skinny products, {N:,} tokens x {d} <-> {r2} bf16 ({torch.cuda.get_device_name()}, "
@@ -112,16 +97,13 @@ def main() -> int:
              "| path | µs per call | TB/s | over plain, per round (range) | bf16 error |", "|---|---|---|---|---|"]
     for group in groups:
         for name in (k for k in times if group_of[k] == group):
-            ms = times[name]
-            ratios = [t / b for t, b in zip(ms, times[base[group]])]
-            median = statistics.median(ms)
-            result["paths"][name] = {"product": group, "ms": ms, "median_ms": median,
-                                     "ratio_per_round": statistics.median(ratios),
-                                     "ratio_range": [min(ratios), max(ratios)], "error": errors[name],
-                                     "tb_per_s": moved[group] / median / 1e9}
+            r = round_summary(times[name], times[base[group]])
+            median, (lo, hi) = r["median_ms"], r["ratio_range"]
+            result["paths"][name] = {"product": group} | r | {"error": errors[name],
+                                                              "tb_per_s": moved[group] / median / 1e9}
             error = "-" if errors[name] is None else f"{errors[name]:.1e}"
             lines.append(f"| {group}: {name} | {median * 1e3:.1f} | {moved[group] / median / 1e9:.2f} | "
-                         f"{statistics.median(ratios):.3f} ({min(ratios):.3f} .. {max(ratios):.3f}) | {error} |")
+                         f"{r['ratio_per_round']:.3f} ({lo:.3f} .. {hi:.3f}) | {error} |")
     for name, why in failures.items():
         lines.append(f"| {name} | failed: {why.strip().splitlines()[-1][:200]} | | | |")
     write_benchmark(out, "gate_decode", result, lines)

@@ -10,9 +10,7 @@ Writes DIR/relu2_hopper.json and DIR/relu2_hopper.md. Any CUDA machine of comput
 
 from __future__ import annotations
 
-import statistics
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -20,12 +18,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fp8_head import alternated_rounds  # noqa: E402
+from fp8_head import checked_paths, round_summary  # noqa: E402
 from relu2_mlp import mlp_problem  # noqa: E402
 
 from creditlab.kernels import relu2_hopper as hopper  # noqa: E402
 from creditlab.kernels import relu2_matmul as rm  # noqa: E402
-from creditlab.runtime import largest_relative_error, write_benchmark  # noqa: E402
+from creditlab.runtime import write_benchmark  # noqa: E402
 
 
 def main() -> int:
@@ -59,20 +57,7 @@ def main() -> int:
                                                                                 group_m=g), want_dgrad))
     groups["dgrad"].append(("Gluon, no epilogue", lambda: hopper.relu2_dgrad(dy, w_proj, None), want_plain))
 
-    runs, errors, failures, group_of = {}, {}, {}, {}
-    for group, paths in groups.items():
-        for name, fn, want in paths:
-            try:
-                got = fn()
-                torch.cuda.synchronize()
-            except Exception as error:  # a path that does not compile is reported, not fatal
-                failures[name] = "".join(traceback.format_exception_only(error))[-2000:]
-                print(f"{name}: failed\n{failures[name]}", flush=True)
-                continue
-            errors[name] = largest_relative_error(got, want)
-            runs[name], group_of[name] = fn, group
-    times = alternated_rounds(runs) if runs else {}
-    base = {group: next(name for name in times if group_of[name] == group) for group in set(group_of.values())}
+    times, errors, failures, group_of, base = checked_paths(groups)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "M": M, "K": d, "N": m,
               "paths": {}, "failures": failures}
     lines = [f"# The fused MLP's products, {M:,} x {d} -> {m} bf16 ({torch.cuda.get_device_name()}, torch "
@@ -83,13 +68,11 @@ def main() -> int:
              "| path | ms | TFLOP/s | over the step's kernel, per round (range) | bf16 error |",
              "|---|---|---|---|---|"]
     for name, ms in times.items():
-        ratios = [t / b for t, b in zip(ms, times[base[group_of[name]]])]
-        median = statistics.median(ms)
-        result["paths"][name] = {"ms": ms, "median_ms": median, "ratio_per_round": statistics.median(ratios),
-                                 "ratio_range": [min(ratios), max(ratios)], "error": errors[name],
-                                 "product": group_of[name]}
-        lines.append(f"| {name} | {median:.4f} | {flop / median / 1e9:.0f} | {statistics.median(ratios):.3f} "
-                     f"({min(ratios):.3f} .. {max(ratios):.3f}) | {errors[name]:.1e} |")
+        r = result["paths"][name] = round_summary(ms, times[base[group_of[name]]]) | {
+            "error": errors[name], "product": group_of[name]}
+        (lo, hi), median = r["ratio_range"], r["median_ms"]
+        lines.append(f"| {name} | {median:.4f} | {flop / median / 1e9:.0f} | {r['ratio_per_round']:.3f} "
+                     f"({lo:.3f} .. {hi:.3f}) | {errors[name]:.1e} |")
     for name, why in failures.items():
         lines.append(f"| {name} | failed: {why.strip().splitlines()[-1][:200]} | | | |")
     write_benchmark(out, "relu2_hopper", result, lines)
