@@ -37,8 +37,9 @@ class ModelConfig:
     # recomputed in the backward where model.recompute names mlp (records from before the fused MLP read plain).
     mlp: str = "fused"
     # fused: QK-norm and rotary positions in one pass each way over the Q/K/V product's output (qk_norm.py,
-    # Triton on CUDA), the rotated q and k kept (attention keeps them anyway); plain: op by op (records from
-    # before the fused QK-norm read plain).
+    # Triton on CUDA), the rotated q and k kept (attention keeps them anyway); product: the forward pass in the
+    # epilogue of the Q/K/V product itself, whose output is then never written (kernels/qkv_rotary.py, Triton on
+    # CUDA), the backward as fused; plain: op by op (records from before the fused QK-norm read plain).
     qk: str = "fused"
     # keep_output: the blocks' norms' backward reads n and the row scale, which the branch's product keeps anyway
     # (model.norm_backward); plain: as autograd records them, keeping their input too (records from before read
@@ -133,11 +134,12 @@ MLPS = ("fused", "plain")  # also the choices of model.qk, model.embed, credit.d
 NORMS = ("plain", "keep_output")
 HEADS = ("plain", "fp8")
 MLP_DGRADS = ("triton", "gluon")
-MODEL_CHOICES = {"mlp": MLPS, "qk": MLPS, "norm": NORMS, "head": HEADS, "embed": MLPS, "mlp_dgrad": MLP_DGRADS}
-# (key, value, recompute part, what it keeps): with model.<key>=<value> that part has nothing to recompute
-LEAN_MODULES = (("mlp", "fused", "mlp", "the fused MLP keeps only ReLU^2's output"),
-                ("qk", "fused", "qk", "the fused QK-norm keeps only what attention keeps"),
-                ("norm", "keep_output", "norm", "norms keeping their output keep nothing of their own"))
+QKS = ("fused", "product", "plain")
+MODEL_CHOICES = {"mlp": MLPS, "qk": QKS, "norm": NORMS, "head": HEADS, "embed": MLPS, "mlp_dgrad": MLP_DGRADS}
+# (key, values, recompute part, what it keeps): with model.<key> one of <values> that part has nothing to recompute
+LEAN_MODULES = (("mlp", ("fused",), "mlp", "the fused MLP keeps only ReLU^2's output"),
+                ("qk", ("fused", "product"), "qk", "the fused QK-norm keeps only what attention keeps"),
+                ("norm", ("keep_output",), "norm", "norms keeping their output keep nothing of their own"))
 FITS = ("adam", "lstsq")
 GATES = ("separate", "merged")
 DFA_SCALES = ("none", "calibrated")
@@ -379,8 +381,8 @@ def validate(cfg: Config) -> None:
         problems.append(f"model.recompute: {exc}")
     else:
         every_part = parts == frozenset(RECOMPUTE_PARTS)  # "all" names every part there is, idle ones too
-        for key, value, part, kept in LEAN_MODULES:
-            if getattr(m, key) == value and part in parts and not every_part:
+        for key, values, part, kept in LEAN_MODULES:
+            if getattr(m, key) in values and part in parts and not every_part:
                 problems.append(f"model.recompute={part}: {kept}, so there is nothing to recompute; drop {part} "
                                 f"from model.recompute or set model.{key}=plain")
     for key, choices in MODEL_CHOICES.items():

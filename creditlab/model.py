@@ -7,9 +7,9 @@ the stream passed on (x itself unless the source's norm backward also adds the s
 products the synthetic backward omits are the ones the credit context computes, `credit.product(b, n_b, W)`:
 the Q/K/V projection of attention and the expansion of the MLP (which, fused, also applies ReLU^2: relu2.py).
 Everything else in a branch (the attention gate, the value embeddings, the output projections) reads `n` itself
-and stays exact. QK-norm and rotary run as one operation on the Q/K/V product's output (qk_norm.py) unless
-model.qk=plain. The residual stream entering the final norm passes `credit.terminal(x)`: the tap where the
-terminal error appears in backward; `credit.finish(loss)` may add exactly-zero terms that carry injected
+and stays exact. QK-norm and rotary run as one operation on the Q/K/V product's output (qk_norm.py), inside
+the product itself with model.qk=product, or op by op with model.qk=plain. The residual stream entering the
+final norm passes `credit.terminal(x)`: the tap where the terminal error appears in backward; `credit.finish(loss)` may add exactly-zero terms that carry injected
 corrections (credit/sources.py).
 """
 
@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from creditlab.config import ModelConfig
 from creditlab.embedding import lookups
 from creditlab.loss import head_loss, head_loss_sum
-from creditlab.qk_norm import qk_norm_rotary
+from creditlab.qk_norm import QKEpilogue, qk_norm_rotary
 from creditlab.relu2 import expand_relu2, project_relu2
 
 
@@ -88,12 +88,16 @@ class ExactCredit:
     def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
         return n
 
-    def product(self, index: int, n: torch.Tensor, weight: torch.Tensor, activation: str | None = None):
+    def product(self, index: int, n: torch.Tensor, weight: torch.Tensor, activation: str | QKEpilogue | None = None):
         """Branch `index`'s product n W^T, whose input gradient the synthetic backward omits. With
         activation="relu2" (the fused MLP) it returns relu(n W^T)^2 and takes the gradient of n W^T back
-        (relu2.py): a source that replaces the product's backward sees the same gradient either way."""
+        (relu2.py): a source that replaces the product's backward sees the same gradient either way. With a
+        QKEpilogue (model.qk=product) it returns attention's (q, k, v), normalized and rotated in the product's
+        epilogue; a source that forms the product itself applies `activation.after` to it."""
         if activation is None:
             return F.linear(n, weight)
+        if isinstance(activation, QKEpilogue):
+            return activation.product(n, weight)
         if activation != "relu2":
             raise ValueError(f"unknown activation {activation!r}")
         return expand_relu2(n, weight)
@@ -135,15 +139,25 @@ class Attention(nn.Module):
         self.value_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if has_value_embed else None
         self.rotary = Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_base)
         self.recompute = "qk" in cfg.recompute_parts
-        self.fused_qk = cfg.qk == "fused"  # QK-norm and rotary in one pass each way (qk_norm.py)
+        # fused: QK-norm and rotary in one pass each way over the product's output; product: the forward pass in
+        # the product's epilogue, the output never written (qk_norm.py); plain: op by op
+        self.qk = cfg.qk
+        self.qk_epilogue = QKEpilogue(self.rotary, self.heads)
+
+    def epilogue(self) -> QKEpilogue | None:
+        """What the Q/K/V product applies in its epilogue (model.qk=product), for the credit context's product."""
+        return self.qk_epilogue if self.qk == "product" else None
 
     def plain_qk_norm_rotary(self, q: torch.Tensor, k: torch.Tensor):
         return self.rotary(norm(q)), self.rotary(norm(k))
 
-    def forward(self, n: torch.Tensor, qkv: torch.Tensor, ve: torch.Tensor | None) -> torch.Tensor:
-        """qkv: n W_qkv^T, computed by the credit context (the omitted product)."""
+    def forward(self, n: torch.Tensor, qkv, ve: torch.Tensor | None) -> torch.Tensor:
+        """qkv: n W_qkv^T, computed by the credit context (the omitted product); with model.qk=product already
+        (q, k, v), QK-norm and rotary applied in the product's epilogue."""
         B, T, d = n.shape
-        if self.fused_qk:
+        if self.qk == "product":
+            q, k, v = qkv
+        elif self.qk == "fused":
             q, k, v = qk_norm_rotary(qkv, self.rotary.cos, self.rotary.sin, self.heads)
         else:
             q, k, v = qkv.view(B, T, 3, self.heads, self.head_dim).unbind(2)
@@ -201,7 +215,7 @@ class Block(nn.Module):
         x = self.resid_mix[0] * x + self.resid_mix[1] * x0
         a, m = 2 * self.index, 2 * self.index + 1  # the block's branches
         x, n, n_omitted = credit.normed_branch(a, x, self.norm)
-        x = x + self.attn(n, credit.product(a, n_omitted, self.attn.qkv.weight), ve)
+        x = x + self.attn(n, credit.product(a, n_omitted, self.attn.qkv.weight, self.attn.epilogue()), ve)
         x, n, n_omitted = credit.normed_branch(m, x, self.norm)
         x = x + self.mlp(credit.product(m, n_omitted, self.mlp.fc.weight, self.mlp.activation))
         return x

@@ -9,6 +9,12 @@ the normalized q and k from the rotated ones by rotating back (R^T R = (cos^2 + 
 
 On CUDA the passes are Triton kernels (kernels/qk_norm_rotary.py); elsewhere the torch arithmetic of the same
 formulas, so the backward's formula is checked against autograd in float64 on the CPU.
+
+With `model.qk=product` the forward pass is not a pass of its own: the Q/K/V product normalizes and rotates each
+tile before it stores it (kernels/qkv_rotary.py), so the product's output is never written or read again
+(`product_norm_rotary`). Its backward is the same one pass, then the product's own backward. A credit source
+that replaces the product's backward (the sketch, merged gates) applies `QKEpilogue.after` to the product it
+forms instead: the same function, op by op.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch
 
 from creditlab import kernels
 from creditlab.kernels import qk_norm_rotary as qk_kernels
+from creditlab.kernels import qkv_rotary
 
 EPS = 1e-6  # as model.norm
 
@@ -67,13 +74,16 @@ def forward_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: i
     return reference_forward(qkv, cos, sin, heads)
 
 
+def _forward_fake(like: torch.Tensor, B: int, T: int, three_width: int, heads: int):
+    shape = (B, T, heads, three_width // 3 // heads)
+    acc = torch.promote_types(like.dtype, torch.float32)
+    return (like.new_empty(shape), like.new_empty(shape), like.new_empty(shape),
+            like.new_empty((B, T, 2, heads), dtype=acc))
+
+
 @forward_op.register_fake
 def _(qkv, cos, sin, heads):
-    B, T, three_width = qkv.shape
-    shape = (B, T, heads, three_width // 3 // heads)
-    acc = torch.promote_types(qkv.dtype, torch.float32)
-    return (qkv.new_empty(shape), qkv.new_empty(shape), qkv.new_empty(shape),
-            qkv.new_empty((B, T, 2, heads), dtype=acc))
+    return _forward_fake(qkv, *qkv.shape, heads)
 
 
 @torch.library.custom_op("creditlab::qk_norm_rotary_backward", mutates_args=())
@@ -107,3 +117,69 @@ def qk_norm_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head
     """(q, k, v), each (B, T, heads, head_dim): q and k of qkv (B, T, 3 * width) RMS-normalized per head and
     rotated (cos, sin: (>= T, head_dim / 2)), v as projected."""
     return _QKNormRotary.apply(qkv, cos, sin, heads)
+
+
+@torch.library.custom_op("creditlab::qkv_product_norm_rotary", mutates_args=())
+def product_forward_op(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """forward_op of x w^T for x (B, T, d), w (3 width, d): the product and the forward pass as one kernel on
+    CUDA, the product and then forward_op elsewhere."""
+    B, T, d = x.shape
+    rows = x.reshape(B * T, d)
+    if kernels.available(x) and qkv_rotary.supported(rows, w, heads):
+        hd = w.shape[0] // 3 // heads
+        q, k, v, scales = qkv_rotary.qkv_norm_rotary(rows, w, cos, sin, heads, T, EPS)
+        return q.view(B, T, heads, hd), k.view(B, T, heads, hd), v.view(B, T, heads, hd), scales.view(B, T, 2, heads)
+    return forward_op(x @ w.t(), cos, sin, heads)
+
+
+@product_forward_op.register_fake
+def _(x, w, cos, sin, heads):
+    return _forward_fake(x, x.shape[0], x.shape[1], w.shape[0], heads)
+
+
+class _ProductNormRotary(torch.autograd.Function):
+    """(q, k, v) of n W^T as _QKNormRotary gives them, the product's output never formed. The backward hands the
+    product's backward dL/d(n W^T) from the QK-norm's one pass: n's gradient only where n asks for one (an
+    omitted product's n arrives detached), W's always."""
+
+    @staticmethod
+    def forward(ctx, n, weight, cos, sin, heads: int):
+        kind = n.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else n.dtype
+        x, w = n.to(dtype), weight.to(dtype)  # as F.linear casts under autocast
+        q, k, v, scales = product_forward_op(x, w, cos, sin, heads)
+        ctx.save_for_backward(x, w, q, k, scales, cos, sin)
+        ctx.weight_dtype = weight.dtype
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        x, w, q, k, scales, cos, sin = ctx.saved_tensors
+        dqkv = backward_op(dq, dk, dv, q, k, scales, cos, sin)
+        rows = dqkv.reshape(-1, dqkv.shape[-1])
+        dn = (rows @ w.to(dqkv.dtype)).view(x.shape) if ctx.needs_input_grad[0] else None
+        dw = (rows.t() @ x.reshape(-1, x.shape[-1]).to(dqkv.dtype)).to(ctx.weight_dtype)
+        return dn, dw, None, None, None
+
+
+def product_norm_rotary(n: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int):
+    """qk_norm_rotary(n W^T, cos, sin, heads) with the forward pass in the product's epilogue."""
+    return _ProductNormRotary.apply(n, weight, cos, sin, heads)
+
+
+class QKEpilogue:
+    """What a branch's product applies before its output leaves the chip, for attention's Q/K/V product
+    (`model.qk=product`): QK-norm and rotary with the attention's rotation tables. The credit context's `product`
+    takes it in place of an activation name (model.ExactCredit.product)."""
+
+    def __init__(self, rotary, heads: int):
+        self.rotary, self.heads = rotary, heads  # the Rotary module: its tables follow the model's device
+
+    def product(self, n: torch.Tensor, weight: torch.Tensor):
+        """(q, k, v) of n W^T, the epilogue inside the product."""
+        return product_norm_rotary(n, weight, self.rotary.cos, self.rotary.sin, self.heads)
+
+    def after(self, qkv: torch.Tensor):
+        """(q, k, v) of a product formed elsewhere: the same function as `product`, in a pass of its own."""
+        return qk_norm_rotary(qkv, self.rotary.cos, self.rotary.sin, self.heads)

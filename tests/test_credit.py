@@ -85,16 +85,86 @@ def test_check_counts_which_products_are_omitted_not_only_how_many(monkeypatch):
     assert all(name.endswith("attn.qkv.weight") for name in wrong["intended_but_computed"])
 
 
-@pytest.mark.parametrize("mlp, dgrad", [("fused", "gluon"), ("fused", "triton"), ("plain", "gluon")])
-def test_native_backward_reads_every_block_matrix(mlp, dgrad):
+@pytest.mark.parametrize("mlp, dgrad, qk", [("fused", "gluon", "fused"), ("fused", "triton", "fused"),
+                                            ("plain", "gluon", "fused"), ("fused", "gluon", "product")])
+def test_native_backward_reads_every_block_matrix(mlp, dgrad, qk):
     # so that an input-gradient product computed inside an operator (the fused MLP's relu2_dgrad, or
-    # relu2_dgrad_gluon, model.mlp_dgrad) is seen too
-    cfg = dataclasses.replace(SMALL, mlp=mlp, mlp_dgrad=dgrad, recompute="none")
+    # relu2_dgrad_gluon, model.mlp_dgrad), or after one (model.qk=product), is seen too
+    cfg = dataclasses.replace(SMALL, mlp=mlp, mlp_dgrad=dgrad, qk=qk, recompute="none")
     model = checks.randomized_model(cfg, 0)
     idx, targets = checks._batch(cfg, 0)
     read = checks.products_read_in_backward(model, idx, targets, ExactCredit())
     matrices = {name for name, p in model.named_parameters() if name.startswith("blocks.") and p.ndim == 2}
     assert matrices <= read, sorted(matrices - read)
+
+
+def test_the_omission_check_passes_with_qk_norm_in_the_qkv_products_epilogue():
+    result = checks.omission_check(dataclasses.replace(SMALL, qk="product"), 0)
+    assert result["passed"] and result["omitted"] == result["expected"] == SMALL.branches, result
+
+
+def _qk_product_credits():
+    """(name, credit factory) for every way a credit context forms the Q/K/V product: the plain product (exact,
+    zero, learned), the sketch's own product, and an attention branch's product merged with its state gate."""
+    from creditlab.credit.sketch import SketchCredit
+
+    def learned(gates):
+        def make():
+            src = LearnedSource(SMALL, CreditConfig(rank=8, gates=gates)).double()
+            torch.manual_seed(1)
+            with torch.no_grad():
+                for p in src.parameters():
+                    p.normal_(0.0, 0.3)
+            return src.step()
+        return make
+
+    def sketch():  # a rank-8 orthonormal basis per branch
+        torch.manual_seed(2)
+        return SketchCredit(torch.linalg.qr(torch.randn(SMALL.branches, SMALL.width, 8, dtype=torch.float64))[0])
+
+    return [("exact", ExactCredit), ("zero", lambda: ZeroSource().step()), ("learned", learned("separate")),
+            ("learned_merged_gates", learned("merged")), ("sketch", sketch)]
+
+
+@pytest.mark.parametrize("name", [name for name, _ in _qk_product_credits()])
+def test_qk_norm_in_the_qkv_products_epilogue_gives_every_sources_gradients(name, monkeypatch):
+    """model.qk=product (QK-norm and rotary inside the Q/K/V product, whose backward runs the QK-norm's backward
+    and then the product's) against model.qk=fused, float64: every trunk gradient to 1e-12, under every way a
+    credit context forms that product."""
+    from creditlab import qk_norm
+
+    make = dict(_qk_product_credits())[name]
+    grads, calls = {}, []
+    original = qk_norm.QKEpilogue.product
+    monkeypatch.setattr(qk_norm.QKEpilogue, "product", lambda *a: calls.append(1) or original(*a))
+    for qk in ("fused", "product"):
+        cfg = dataclasses.replace(SMALL, qk=qk)
+        model = checks.randomized_model(cfg, 0)
+        idx, targets = checks._batch(cfg, 0)
+        grads[qk] = checks._trunk_grads(model, idx, targets, make())
+    assert max(checks._rel_errors(grads["product"], grads["fused"]).values()) < 1e-12
+    # the fused product ran where the context forms the product plainly; the sketch and merged gates form it
+    # themselves and apply the epilogue after it
+    assert len(calls) == (0 if name in ("sketch", "learned_merged_gates") else SMALL.layers), len(calls)
+
+
+def test_the_qkv_products_backward_wiring_is_checked():
+    """The comparison above can fail: a backward that drops n's gradient (as if every product were omitted) or
+    hands W another gradient changes the native trunk gradients."""
+    from creditlab import qk_norm
+
+    cfg = dataclasses.replace(SMALL, qk="product")
+    model = checks.randomized_model(cfg, 0)
+    idx, targets = checks._batch(cfg, 0)
+    right = checks._trunk_grads(model, idx, targets, ExactCredit())
+    original = qk_norm._ProductNormRotary.backward
+    for mutant in (lambda grads: (None, *grads[1:]), lambda grads: (grads[0], 2 * grads[1], *grads[2:])):
+        qk_norm._ProductNormRotary.backward = staticmethod(lambda ctx, *g, m=mutant: m(original(ctx, *g)))
+        try:
+            wrong = checks._trunk_grads(model, idx, targets, ExactCredit())
+        finally:
+            qk_norm._ProductNormRotary.backward = staticmethod(original)
+        assert max(checks._rel_errors(wrong, right).values()) > 1e-3
 
 
 def test_weight_gradients_of_omitted_products_stay_exact():
@@ -563,7 +633,8 @@ def test_fitted_sources_train_the_same_through_the_compiler(name, fit, monkeypat
     assert any(p.abs().max() > 0 for k, p in params[True].items() if k.endswith("decoders"))
 
 
-@pytest.mark.parametrize("name, qk", [pytest.param("learned", "plain", marks=pytest.mark.slow), ("learned", "fused")])
+@pytest.mark.parametrize("name, qk", [pytest.param("learned", "plain", marks=pytest.mark.slow), ("learned", "fused"),
+                                      pytest.param("learned", "product", marks=pytest.mark.slow)])
 def test_the_fused_modules_train_the_same_through_the_compiler(name, qk, monkeypatch):
     """The fused MLP's and QK-norm's Functions (relu2.py, qk_norm.py) through the compiler, in teacher (exact) and
     synthetic (omitting) micro-batches. Three updates: the compiled backward may sum a gradient's contributions in another order than

@@ -110,6 +110,28 @@ def test_the_qk_comparison_fails_for_another_epsilon(report):
     assert min(r["q"], r["k"], r["dqkv"]) > 1e-4, r
 
 
+@pytest.mark.parametrize("case", ["qkv_two_heads_a_tile", "qkv_one_head_a_tile"])
+def test_the_qkv_product_with_qk_norm_in_its_epilogue_matches_float64_and_writes_every_element(report, case):
+    r = report[case]
+    assert r["all_written"], r
+    assert max(r[key] for key in ("q", "k", "v", "scales")) < 1e-5, r  # float32 products over 24-40 terms
+
+
+def test_the_qkv_comparison_fails_for_another_epsilon(report):
+    r = report["qkv_wrong_eps"]  # the kernel's norm at eps 1e-2 against the model's 1e-6
+    assert min(r["q"], r["k"]) > 1e-4 and r["v"] < 1e-5, r
+
+
+def test_the_qkv_product_function_through_the_kernel_matches_the_float64_model(report):
+    r = report["qkv_product"]
+    assert r["launched"] == 1, r  # the forward went through the kernel
+    assert max(r["errors"].values()) < 1e-5, r
+
+
+def test_the_qkv_product_operator_declares_its_outputs_truthfully(report):
+    assert report["qkv_opcheck"] == {"torch": ["SUCCESS"], "kernel": ["SUCCESS"]}, report["qkv_opcheck"]
+
+
 @pytest.mark.parametrize("case", ["norm_decode_with_dn", "norm_decode_without_dn", "norm_decode_without_residual"])
 def test_norm_backward_with_the_decode_inside_matches_float64_autograd(report, case):
     r = report[case]

@@ -282,7 +282,8 @@ def test_the_upcast_scan_flags_square():
 
 
 @pytest.mark.parametrize("mlp, qk, norm", [("fused", "plain", "plain"), ("plain", "plain", "plain"),
-                                          ("fused", "fused", "plain"), ("fused", "fused", "keep_output")])
+                                          ("fused", "fused", "plain"), ("fused", "fused", "keep_output"),
+                                          ("fused", "product", "keep_output")])
 def test_the_model_compiles_to_one_graph(mlp, qk, norm):
     # A graph break splits the compiled step and stops fusion across it (a custom `jvp` on the fused MLP's
     # Functions once broke the graph at every MLP: 3,772 kernels per seed update instead of about 3,200).

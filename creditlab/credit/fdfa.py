@@ -86,7 +86,7 @@ def forward_mode_ready(model: GPT):
     tangents are the same."""
     settings = ([(m, "recompute", False) for m in model.modules() if isinstance(getattr(m, "recompute", None), bool)]
                 + [(m, "activation", None) for m in model.modules() if isinstance(m, MLP)]
-                + [(m, "fused_qk", False) for m in model.modules() if isinstance(m, Attention)]
+                + [(m, "qk", "plain") for m in model.modules() if isinstance(m, Attention)]
                 + [(m, "keep_norm_output", False) for m in model.modules() if isinstance(m, Block)])
     kept = [(m, name, getattr(m, name)) for m, name, _ in settings]
     try:

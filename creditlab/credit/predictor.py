@@ -268,12 +268,12 @@ class LearnedCredit(AdjointCredit):
         self.waiting[index] = n
         return n.detach()
 
-    def product(self, index: int, n: torch.Tensor, weight: torch.Tensor, activation: str | None = None):
-        if index not in self.waiting or activation is not None:
+    def product(self, index: int, n: torch.Tensor, weight: torch.Tensor, activation=None):
+        if index not in self.waiting or activation == "relu2":
             return super().product(index, n, weight, activation)
         y, share = self.predictor.product_with_share(index, self.waiting.pop(index), n, weight)
         self.total = share if self.total is None else self.total + share
-        return y
+        return y if activation is None else activation.after(y)  # model.qk=product: the epilogue after it
 
 
 class FusedDecodeCredit(LearnedCredit):

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from creditlab.config import Config
 from creditlab.credit.sources import CreditSource
 from creditlab.model import ExactCredit, GPT
+from creditlab.qk_norm import QKEpilogue
 from creditlab.relu2 import expand_relu2_values
 
 
@@ -55,7 +56,9 @@ class SketchCredit(ExactCredit):
     def __init__(self, basis: torch.Tensor):
         self.basis = basis  # (branches, d, k)
 
-    def product(self, index: int, n: torch.Tensor, weight: torch.Tensor, activation: str | None = None):
+    def product(self, index: int, n: torch.Tensor, weight: torch.Tensor, activation=None):
+        if isinstance(activation, QKEpilogue):  # the sketch needs dL/d(n W^T): the product, then the epilogue
+            return activation.after(_SketchedLinear.apply(n, weight, self.basis[index], None))
         return _SketchedLinear.apply(n, weight, self.basis[index], activation)
 
 
