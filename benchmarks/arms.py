@@ -75,6 +75,7 @@ MODIFIERS = {
     "plain_mlp": ["model.mlp=plain", "model.recompute=mlp"],  # ReLU^2 op by op, recomputed (the earlier default)
     "fused_qk": ["model.qk=fused"],
     "plain_qk": ["model.qk=plain"],  # QK-norm and rotary op by op (the earlier default)
+    "product_qk": ["model.qk=product"],  # QK-norm and rotary in the Q/K/V product's epilogue
     "norm_keeps_output": ["model.norm=keep_output"],
     "plain_norm": ["model.norm=plain"],  # norms as autograd records them, keeping their input (the earlier default)
     # the recompute study of benchmarks/native_seed.md, on the plain modules it was made with

@@ -203,6 +203,9 @@ def _hopper_cases():
     """(kernel, its arguments' types in order, constants, warps) at the seed shape, for the kernels that take plain
     pointers (the fused MLP's takes TMA descriptors, made on a GPU)."""
     from creditlab.kernels import embedding_grad, fit_rows, gate_decode as gd, norm_decode, qk_norm_rotary as qk, softcap_ce, tiled_transpose
+    from creditlab.kernels import qkv_rotary as qkv
+
+    qkv_tiles = qkv.DEFAULT_TILES
 
     tiles = fit_rows.DEFAULT_TILES
     gate, decode = gd.GATE_TILES, gd.DECODE_TILES
@@ -235,6 +238,12 @@ def _hopper_cases():
         "state_gate": (gd._state_gate, [f"tensordesc<bf16[{gate.block_m}, {gate.block_k}]>",
                                         f"tensordesc<bf16[64, {gate.block_k}]>", f"tensordesc<bf16[{gate.block_m}, 64]>"],
                        {"K": 512, "BLOCK_M": gate.block_m, "BLOCK_K": gate.block_k, "STAGES": gate.stages}, gate.warps),
+        "qkv_rotary": (qkv._qkv_kernel, [f"tensordesc<bf16[{qkv_tiles.block_m}, {qkv_tiles.block_k}]>",
+                                         f"tensordesc<bf16[{128 * qkv_tiles.heads_per_tile}, {qkv_tiles.block_k}]>"]
+                       + [f"tensordesc<bf16[{qkv_tiles.block_m}, 64]>"] * 3 + ["*fp32"] * 3 + ["i32", "i32", "fp32"],
+                       {"K": 512, "WIDTH": 512, "HD": 128, "HEADS_PER_TILE": qkv_tiles.heads_per_tile,
+                        "BLOCK_M": qkv_tiles.block_m, "BLOCK_K": qkv_tiles.block_k, "GROUP_M": qkv_tiles.group_m,
+                        "PROGRAMS": 132}, qkv_tiles.warps),
         "gated_decode": (gd._gated_decode, [f"tensordesc<bf16[{decode.block_m}, 64]>"] * 2
                          + [f"tensordesc<bf16[{decode.block_n}, 64]>", f"tensordesc<bf16[{decode.block_m}, {decode.block_n}]>"],
                          {"N": 512, "BLOCK_M": decode.block_m, "BLOCK_N": decode.block_n}, decode.warps),
@@ -243,7 +252,7 @@ def _hopper_cases():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["fit_rows", "qk_forward", "qk_backward", "softcap_ce", "softcap_ce_fp8", "transpose",
-                                  "norm_decode", "embedding_grad", "state_gate", "gated_decode"])
+                                  "norm_decode", "embedding_grad", "state_gate", "gated_decode", "qkv_rotary"])
 def test_each_kernel_compiles_for_hopper(name):
     """Through Triton's whole compiler to a cubin for sm_90 at the seed shape's constants, on the CPU: what the
     interpreter lets pass (a global that is not a constexpr, a shape past the shared memory) fails here."""

@@ -56,9 +56,12 @@ def test_the_fused_qk_norm_keeps_less_than_the_plain_one_with_the_same_gradients
     cfg = checks.seed_structure()
     kept_fused, grads_fused = _saved_bytes_and_grads(cfg, "none", "fused", "fused")
     kept_plain, grads_plain = _saved_bytes_and_grads(cfg, "none", "fused", "plain")
+    kept_product, grads_product = _saved_bytes_and_grads(cfg, "none", "fused", "product")
     assert kept_fused < kept_plain
+    assert kept_product == kept_fused  # the same tensors: n, W, the rotated q and k, their scales
     for name, g in grads_plain.items():
         torch.testing.assert_close(grads_fused[name], g, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(grads_product[name], g, rtol=1e-12, atol=1e-14)
 
 
 def test_norms_keeping_their_output_keep_less_with_the_same_gradients():
@@ -82,6 +85,10 @@ def test_recompute_spec_errors_name_the_parts():
         config.load("tiny", ["model.recompute=qk,mlp"])  # nothing of the fused MLP to recompute
     with pytest.raises(config.ConfigError, match="fused QK-norm keeps only"):
         config.load("tiny", ["model.recompute=qk"])
+    with pytest.raises(config.ConfigError, match="fused QK-norm keeps only"):
+        config.load("tiny", ["model.recompute=qk", "model.mlp=plain", "model.qk=product"])
+    with pytest.raises(config.ConfigError, match=r"model\.qk must be one of fused\|product\|plain"):
+        config.load("tiny", ["model.qk=epilogue"])
     with pytest.raises(config.ConfigError, match="keep nothing of their own"):
         config.load("tiny", ["model.recompute=norm", "model.norm=keep_output"])
     assert config.load("tiny", ["model.recompute=all"]).model.mlp == "fused"  # all: every part there is

@@ -1,0 +1,101 @@
+"""The Q/K/V product with QK-norm and rotary in its epilogue (kernels/qkv_rotary.py, `model.qk=product`) against
+the step's forward with `model.qk=fused` (the cuBLAS product, then the one-pass QK-norm kernel) at the seed shape;
+alternated rounds in one process, each path's bf16 error against float64 first.
+
+    python benchmarks/qkv_rotary.py --out DIR [--batch 64] [--seq 2048] [--width 512] [--heads 4]
+
+Writes DIR/qkv_rotary.json and DIR/qkv_rotary.md. Any CUDA machine with Triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fp8_head import checked_paths, round_summary  # noqa: E402
+
+from creditlab.kernels import qk_norm_rotary as qk_kernels  # noqa: E402
+from creditlab.kernels import qkv_rotary  # noqa: E402
+from creditlab.kernels import relu2_matmul as rm  # noqa: E402
+from creditlab.model import Rotary, norm  # noqa: E402
+from creditlab.runtime import gpu_benchmark_folder, largest_relative_error, write_benchmark  # noqa: E402
+
+TILES = [qkv_rotary.TileConfig(bm, heads, bk, group, stages, warps) for bm, heads, bk, group, stages, warps in
+         ((128, 2, 64, 16, 3, 8), (128, 1, 64, 16, 3, 8), (128, 1, 64, 16, 4, 8), (128, 1, 64, 16, 3, 4),
+          (128, 2, 64, 8, 3, 8), (64, 2, 64, 16, 3, 4))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=4)
+    args = ap.parse_args()
+    out = gpu_benchmark_folder(args.out)
+    if out is None:
+        return 2
+    B, T, d, H = args.batch, args.seq, args.width, args.heads
+    hd, M = d // H, B * T
+    torch.manual_seed(0)
+    x = torch.randn(M, d, device="cuda").bfloat16()
+    w = (torch.randn(3 * d, d, device="cuda") * d ** -0.5).bfloat16()
+    rot = Rotary(hd, T, 10_000.0).cuda()
+    qkv64 = x.double() @ w.double().t()
+    q64, k64, v64 = qkv64.view(B, T, 3, H, hd).unbind(2)
+    rot64 = Rotary(hd, T, 10_000.0).cuda().double()
+    want = [t.reshape(M, d) for t in (rot64(norm(q64)), rot64(norm(k64)), v64)]
+
+    def then_kernel():
+        q, k, v, _ = qk_kernels.qk_norm_rotary_forward((x @ w.t()).view(B, T, 3 * d), rot.cos, rot.sin, H)
+        return q, k, v
+
+    paths = [("the step's model.qk=fused: cuBLAS product, then the QK-norm kernel", then_kernel, want),
+             ("cuBLAS product alone", lambda: x @ w.t(), None),
+             ("Triton product alone, no epilogue (relu2_matmul's loop)", lambda: rm.matmul(x, w, False), None)]
+    for tiles in TILES:
+        default = " (the default)" if tiles == qkv_rotary.DEFAULT_TILES else ""
+        paths.append((f"product + QK-norm epilogue: {tiles.block_m} x {tiles.heads_per_tile * hd} x "
+                      f"{tiles.block_k}, groups of {tiles.group_m}, {tiles.stages} stages, {tiles.warps} warps"
+                      f"{default}",
+                      lambda t=tiles: qkv_rotary.qkv_norm_rotary(x, w, rot.cos, rot.sin, H, T, 1e-6, t)[:3], want))
+    errors = {}
+    for name, fn, reference in paths:  # q, k and v each against float64; a path that fails is timed no further
+        if reference is not None:
+            try:
+                errors[name] = [largest_relative_error(got.reshape(M, d), ref) for got, ref in zip(fn(), reference)]
+            except Exception as error:  # reported by checked_paths below
+                print(f"{name}: {error}", flush=True)
+    times, _, failures, _, base = checked_paths({"forward": [(name, fn, None) for name, fn, _ in paths]})
+    flop = 2 * M * d * 3 * d
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": M, "width": d,
+              "heads": H, "paths": {}, "failures": failures}
+    lines = [f"# The Q/K/V product and QK-norm + rotary, {M:,} tokens x {d} -> 3 x {d}, {H} heads, bf16 "
+             f"({torch.cuda.get_device_name()}, torch {torch.__version__})", "",
+             "Ten alternated rounds of five calls, all paths in one process; ms per call. Ratio: over the step's "
+             "model.qk=fused forward, round by round. Error: q, k, v, each the largest entry's difference from "
+             "float64 over the float64 result's largest entry.", "",
+             "| path | ms | TFLOP/s of the product | over qk=fused, per round (range) | bf16 error q, k, v |",
+             "|---|---|---|---|---|"]
+    for name in times:
+        r = round_summary(times[name], times[base["forward"]])
+        median, (lo, hi) = r["median_ms"], r["ratio_range"]
+        result["paths"][name] = r | {"errors_qkv": errors.get(name), "tflop_per_s": flop / median / 1e9}
+        error = ", ".join(f"{e:.1e}" for e in errors[name]) if name in errors else "-"
+        lines.append(f"| {name} | {median:.4f} | {flop / median / 1e9:.0f} | {r['ratio_per_round']:.3f} "
+                     f"({lo:.3f} .. {hi:.3f}) | {error} |")
+    for name, why in failures.items():
+        lines.append(f"| {name} | failed: {why.strip().splitlines()[-1][:200]} | | | |")
+    write_benchmark(out, "qkv_rotary", result, lines)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
