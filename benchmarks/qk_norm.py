@@ -24,20 +24,31 @@ from creditlab.runtime import cuda_ms, gpu_benchmark_folder, largest_relative_er
 
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def attention_problem(description: str, extra=None):
+    """The seed shape's attention inputs from the command line: (args, out folder, batch, sequence, heads, head
+    dimension, the rotation on the GPU), or None where no CUDA GPU is visible (the caller exits 2). `extra` adds
+    arguments."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--tiles", action="store_true", help="time the kernels alone at every launch shape")
+    if extra:
+        extra(ap)
     args = ap.parse_args()
     out = gpu_benchmark_folder(args.out)
     if out is None:
+        return None
+    return args, out, args.batch, args.seq, args.heads, args.head_dim, Rotary(args.head_dim, args.seq, 10_000.0).cuda()
+
+
+def main() -> int:
+    problem = attention_problem(__doc__.splitlines()[0], lambda ap: ap.add_argument(
+        "--tiles", action="store_true", help="time the kernels alone at every launch shape"))
+    if problem is None:
         return 2
-    B, T, H, hd = args.batch, args.seq, args.heads, args.head_dim
-    rot = Rotary(hd, T, 10_000.0).cuda()
+    args, out, B, T, H, hd, rot = problem
     torch.manual_seed(0)
     qkv = torch.randn(B, T, 3 * H * hd, device="cuda").bfloat16().requires_grad_(True)
     grads = [torch.randn(B, T, H, hd, device="cuda").bfloat16() for _ in range(3)]

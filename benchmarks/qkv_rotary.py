@@ -2,14 +2,13 @@
 the step's forward with `model.qk=fused` (the cuBLAS product, then the one-pass QK-norm kernel) at the seed shape;
 alternated rounds in one process, each path's bf16 error against float64 first.
 
-    python benchmarks/qkv_rotary.py --out DIR [--batch 64] [--seq 2048] [--width 512] [--heads 4]
+    python benchmarks/qkv_rotary.py --out DIR [--batch 64] [--seq 2048] [--heads 4] [--head-dim 128]
 
 Writes DIR/qkv_rotary.json and DIR/qkv_rotary.md. Any CUDA machine with Triton.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -19,12 +18,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fp8_head import checked_paths, round_summary  # noqa: E402
+from qk_norm import attention_problem  # noqa: E402
 
 from creditlab.kernels import qk_norm_rotary as qk_kernels  # noqa: E402
 from creditlab.kernels import qkv_rotary  # noqa: E402
 from creditlab.kernels import relu2_matmul as rm  # noqa: E402
 from creditlab.model import Rotary, norm  # noqa: E402
-from creditlab.runtime import gpu_benchmark_folder, largest_relative_error, write_benchmark  # noqa: E402
+from creditlab.runtime import largest_relative_error, write_benchmark  # noqa: E402
 
 TILES = [qkv_rotary.TileConfig(bm, heads, bk, group, stages, warps) for bm, heads, bk, group, stages, warps in
          ((128, 2, 64, 16, 3, 8), (128, 1, 64, 16, 3, 8), (128, 1, 64, 16, 4, 8), (128, 1, 64, 16, 3, 4),
@@ -32,22 +32,14 @@ TILES = [qkv_rotary.TileConfig(bm, heads, bk, group, stages, warps) for bm, head
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--width", type=int, default=512)
-    ap.add_argument("--heads", type=int, default=4)
-    args = ap.parse_args()
-    out = gpu_benchmark_folder(args.out)
-    if out is None:
+    problem = attention_problem(__doc__.splitlines()[0])
+    if problem is None:
         return 2
-    B, T, d, H = args.batch, args.seq, args.width, args.heads
-    hd, M = d // H, B * T
+    _, out, B, T, H, hd, rot = problem
+    d, M = H * hd, B * T
     torch.manual_seed(0)
     x = torch.randn(M, d, device="cuda").bfloat16()
     w = (torch.randn(3 * d, d, device="cuda") * d ** -0.5).bfloat16()
-    rot = Rotary(hd, T, 10_000.0).cuda()
     qkv64 = x.double() @ w.double().t()
     q64, k64, v64 = qkv64.view(B, T, 3, H, hd).unbind(2)
     rot64 = Rotary(hd, T, 10_000.0).cuda().double()
