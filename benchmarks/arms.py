@@ -76,6 +76,7 @@ MODIFIERS = {
     "fused_qk": ["model.qk=fused"],
     "plain_qk": ["model.qk=plain"],  # QK-norm and rotary op by op (the earlier default)
     "product_qk": ["model.qk=product"],  # QK-norm and rotary in the Q/K/V product's epilogue
+    "fused_gate": ["model.attn_gate=fused"],  # the attention gate's thin product one pass each way
     "norm_keeps_output": ["model.norm=keep_output"],
     "plain_norm": ["model.norm=plain"],  # norms as autograd records them, keeping their input (the earlier default)
     # the recompute study of benchmarks/native_seed.md, on the plain modules it was made with

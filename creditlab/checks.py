@@ -77,8 +77,10 @@ class _WeightReads(TorchDispatchMode):
     are exactly the input-gradient products computed."""
 
     # relu2_dgrad, relu2_dgrad_gluon: the fused MLP's projection input-gradient product (relu2.py), one operator
-    # each (model.mlp_dgrad)
-    PRODUCTS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addmv", "mv", "relu2_dgrad", "relu2_dgrad_gluon")
+    # each (model.mlp_dgrad); thin_linear_backward: the attention gate's input gradient (attention_gate.py,
+    # model.attn_gate=fused)
+    PRODUCTS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addmv", "mv", "relu2_dgrad", "relu2_dgrad_gluon",
+                "thin_linear_backward")
 
     def __init__(self, params: dict[int, str]):
         super().__init__()

@@ -58,6 +58,10 @@ class ModelConfig:
     # the Triton kernel, whose epilogue reads the post tile after the loop (kernels/relu2_matmul.py; records from
     # before the option read triton; benchmarks/relu2_mlp.md)
     mlp_dgrad: str = "gluon"
+    # plain: the attention gate's thin product (gate_dim -> heads per token) as F.linear, three cuBLAS products;
+    # fused: one Triton pass forward and one backward computing the input gradient and the weight gradient's
+    # partial sums (attention_gate.py)
+    attn_gate: str = "plain"
 
     @property
     def recompute_parts(self) -> frozenset[str]:
@@ -130,12 +134,13 @@ class CreditConfig:
 
 
 RECOMPUTE_PARTS = ("norm", "qk", "mlp")
-MLPS = ("fused", "plain")  # also the choices of model.qk, model.embed, credit.decode, .fit_rows and .products
+MLPS = ("fused", "plain")  # also the choices of model.embed, .attn_gate, credit.decode, .fit_rows and .products
 NORMS = ("plain", "keep_output")
 HEADS = ("plain", "fp8")
 MLP_DGRADS = ("triton", "gluon")
 QKS = ("fused", "product", "plain")
-MODEL_CHOICES = {"mlp": MLPS, "qk": QKS, "norm": NORMS, "head": HEADS, "embed": MLPS, "mlp_dgrad": MLP_DGRADS}
+MODEL_CHOICES = {"mlp": MLPS, "qk": QKS, "norm": NORMS, "head": HEADS, "embed": MLPS, "mlp_dgrad": MLP_DGRADS,
+                 "attn_gate": MLPS}
 # (key, values, recompute part, what it keeps): with model.<key> one of <values> that part has nothing to recompute
 LEAN_MODULES = (("mlp", ("fused",), "mlp", "the fused MLP keeps only ReLU^2's output"),
                 ("qk", ("fused", "product"), "qk", "the fused QK-norm keeps only what attention keeps"),

@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from creditlab.attention_gate import gate_linear
 from creditlab.config import ModelConfig
 from creditlab.embedding import lookups
 from creditlab.loss import head_loss, head_loss_sum
@@ -135,6 +136,7 @@ class Attention(nn.Module):
         self.proj = nn.Linear(d, d, bias=False)
         self.gate = nn.Linear(cfg.gate_dim, cfg.heads, bias=False)  # per-head sigmoid gate from the branch input
         self.gate_dim = cfg.gate_dim
+        self.fused_gate = cfg.attn_gate == "fused"  # the gate's thin product one pass each way (attention_gate.py)
         # v <- a*v + b*ve: how much of this layer's value embedding to mix in.
         self.value_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if has_value_embed else None
         self.rotary = Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_base)
@@ -167,7 +169,7 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            is_causal=True, scale=0.12)
         y = y.transpose(1, 2)  # (B, T, H, hd)
-        y = y * torch.sigmoid(self.gate(n[..., :self.gate_dim]))[..., None]
+        y = y * torch.sigmoid(gate_linear(n[..., :self.gate_dim], self.gate.weight, self.fused_gate))[..., None]
         return self.proj(y.reshape(B, T, d))
 
 

@@ -85,12 +85,14 @@ def test_check_counts_which_products_are_omitted_not_only_how_many(monkeypatch):
     assert all(name.endswith("attn.qkv.weight") for name in wrong["intended_but_computed"])
 
 
-@pytest.mark.parametrize("mlp, dgrad, qk", [("fused", "gluon", "fused"), ("fused", "triton", "fused"),
-                                            ("plain", "gluon", "fused"), ("fused", "gluon", "product")])
-def test_native_backward_reads_every_block_matrix(mlp, dgrad, qk):
+@pytest.mark.parametrize("mlp, dgrad, qk, gate", [("fused", "gluon", "fused", "plain"), ("fused", "triton", "fused", "plain"),
+                                                  ("plain", "gluon", "fused", "plain"),
+                                                  ("fused", "gluon", "product", "fused")])
+def test_native_backward_reads_every_block_matrix(mlp, dgrad, qk, gate):
     # so that an input-gradient product computed inside an operator (the fused MLP's relu2_dgrad, or
-    # relu2_dgrad_gluon, model.mlp_dgrad), or after one (model.qk=product), is seen too
-    cfg = dataclasses.replace(SMALL, mlp=mlp, mlp_dgrad=dgrad, qk=qk, recompute="none")
+    # relu2_dgrad_gluon, model.mlp_dgrad; the attention gate's thin_linear_backward, model.attn_gate=fused), or
+    # after one (model.qk=product), is seen too
+    cfg = dataclasses.replace(SMALL, mlp=mlp, mlp_dgrad=dgrad, qk=qk, attn_gate=gate, recompute="none")
     model = checks.randomized_model(cfg, 0)
     idx, targets = checks._batch(cfg, 0)
     read = checks.products_read_in_backward(model, idx, targets, ExactCredit())
@@ -98,9 +100,29 @@ def test_native_backward_reads_every_block_matrix(mlp, dgrad, qk):
     assert matrices <= read, sorted(matrices - read)
 
 
-def test_the_omission_check_passes_with_qk_norm_in_the_qkv_products_epilogue():
-    result = checks.omission_check(dataclasses.replace(SMALL, qk="product"), 0)
-    assert result["passed"] and result["omitted"] == result["expected"] == SMALL.branches, result
+def test_the_omission_check_passes_with_qk_norm_in_the_qkv_products_epilogue_and_the_one_pass_gate():
+    for options in ({"qk": "product"}, {"attn_gate": "fused"}):
+        result = checks.omission_check(dataclasses.replace(SMALL, **options), 0)
+        assert result["passed"] and result["omitted"] == result["expected"] == SMALL.branches, (options, result)
+
+
+@pytest.mark.parametrize("name", ["exact", "zero", "learned"])
+def test_the_one_pass_attention_gate_gives_the_same_gradients(name, monkeypatch):
+    """model.attn_gate=fused (the gate's product through attention_gate.py's Function) against F.linear, float64:
+    every trunk gradient to 1e-12 under exact backprop, zero and learned; the Function ran at every layer."""
+    from creditlab import attention_gate
+
+    make = dict(_qk_product_credits())[name]
+    calls, original = [], attention_gate._ThinLinear.apply
+    monkeypatch.setattr(attention_gate._ThinLinear, "apply", lambda *a: calls.append(1) or original(*a))
+    grads = {}
+    for gate in ("plain", "fused"):
+        cfg = dataclasses.replace(SMALL, attn_gate=gate)
+        model = checks.randomized_model(cfg, 0)
+        idx, targets = checks._batch(cfg, 0)
+        grads[gate] = checks._trunk_grads(model, idx, targets, make())
+    assert max(checks._rel_errors(grads["fused"], grads["plain"]).values()) < 1e-12
+    assert len(calls) == SMALL.layers
 
 
 def _qk_product_credits():
@@ -633,15 +655,16 @@ def test_fitted_sources_train_the_same_through_the_compiler(name, fit, monkeypat
     assert any(p.abs().max() > 0 for k, p in params[True].items() if k.endswith("decoders"))
 
 
-@pytest.mark.parametrize("name, qk", [pytest.param("learned", "plain", marks=pytest.mark.slow), ("learned", "fused"),
-                                      pytest.param("learned", "product", marks=pytest.mark.slow)])
-def test_the_fused_modules_train_the_same_through_the_compiler(name, qk, monkeypatch):
-    """The fused MLP's and QK-norm's Functions (relu2.py, qk_norm.py) through the compiler, in teacher (exact) and
-    synthetic (omitting) micro-batches. Three updates: the compiled backward may sum a gradient's contributions in another order than
-    the eager engine, and from the fourth update on Muon grows that last-bit difference past the tolerance."""
-    rows, _, _ = train_eager_and_compiled(["model.vocab_size=97", f"credit.source={name}", "train.updates=3",
-                                           "credit.teacher_every=2", "model.mlp=fused", f"model.qk={qk}"],
-                                          monkeypatch)
+@pytest.mark.parametrize("options", [pytest.param(["model.qk=plain"], marks=pytest.mark.slow), ["model.qk=fused"],
+                                     pytest.param(["model.qk=product"], marks=pytest.mark.slow),
+                                     pytest.param(["model.attn_gate=fused"], marks=pytest.mark.slow)])
+def test_the_fused_modules_train_the_same_through_the_compiler(options, monkeypatch):
+    """The fused MLP's, QK-norm's and attention gate's Functions (relu2.py, qk_norm.py, attention_gate.py) through
+    the compiler, in teacher (exact) and synthetic (omitting) micro-batches of the learned source. Three updates:
+    the compiled backward may sum a gradient's contributions in another order than the eager engine, and from the
+    fourth update on Muon grows that last-bit difference past the tolerance."""
+    rows, _, _ = train_eager_and_compiled(["model.vocab_size=97", "credit.source=learned", "train.updates=3",
+                                           "credit.teacher_every=2", "model.mlp=fused", *options], monkeypatch)
     assert len(rows) == 3
 
 

@@ -29,6 +29,7 @@ def _recompute_flags(model) -> list:
     return ([m.recompute for m in model.modules() if hasattr(m, "recompute")] +
             [m.activation for m in model.modules() if hasattr(m, "activation")] +
             [("qk", m.qk) for m in model.modules() if hasattr(m, "qk_epilogue")] +
+            [("gate", m.fused_gate) for m in model.modules() if hasattr(m, "fused_gate")] +
             [("norm", m.keep_norm_output) for m in model.modules() if hasattr(m, "keep_norm_output")])
 
 
@@ -39,14 +40,15 @@ def _terminal_error_and_corrections(model, idx, e):
     return torch.autograd.grad((x * e).sum(), rec.inputs)
 
 
-@pytest.mark.parametrize("qk", ["fused", "product"])
-def test_forward_mode_derivative_is_the_adjoint_of_the_true_corrections(qk):
+@pytest.mark.parametrize("qk, gate", [("fused", "plain"), ("product", "fused")])
+def test_forward_mode_derivative_is_the_adjoint_of_the_true_corrections(qk, gate):
     """<dX, e> = <u, c_b> for a tangent u at one branch's omitted input, and summed over branches for tangents
     at all of them (float64, recompute on: the pass must turn it off and back on; the corrections come from the
     fused modules, the tangents from the plain ones)."""
-    model = checks.randomized_model(dataclasses.replace(SMALL, qk=qk), 0)
+    model = checks.randomized_model(dataclasses.replace(SMALL, qk=qk, attn_gate=gate), 0)
     flags = _recompute_flags(model)
     assert True in flags and "relu2" in flags and ("qk", qk) in flags and ("norm", True) in flags
+    assert ("gate", gate == "fused") in flags
     idx, _ = checks._batch(SMALL, 0)
     g = torch.Generator().manual_seed(1)
     shape = (*idx.shape, SMALL.width)

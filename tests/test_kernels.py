@@ -132,6 +132,29 @@ def test_the_qkv_product_operator_declares_its_outputs_truthfully(report):
     assert report["qkv_opcheck"] == {"torch": ["SUCCESS"], "kernel": ["SUCCESS"]}, report["qkv_opcheck"]
 
 
+@pytest.mark.parametrize("case", ["thin_linear_gate", "thin_linear_odd", "thin_linear_one_block"])
+def test_the_thin_products_kernels_match_float64_and_write_every_element(report, case):
+    r = report[case]
+    assert r["all_written"], r
+    assert max(r["y"], r["dx"], r["dw"]) < 1e-5, r  # float32 sums of 12 terms, and of 300 for dw
+
+
+def test_the_thin_product_comparison_fails_without_a_blocks_partial_sum(report):
+    r = report["thin_linear_dropped_partial"]
+    assert r["dw"] > 1e-3 and max(r["y"], r["dx"]) < 1e-5, r
+
+
+def test_the_attention_gate_through_the_kernels_matches_float64_f_linear(report):
+    r = report["attention_gate"]
+    assert r["launched"] == ["forward", "backward"], r
+    assert max(r["errors"].values()) < 1e-5, r
+
+
+def test_the_attention_gate_operators_declare_their_outputs_truthfully(report):
+    assert report["attention_gate_opcheck"] == {"torch": ["SUCCESS"], "kernel": ["SUCCESS"]}, \
+        report["attention_gate_opcheck"]
+
+
 @pytest.mark.parametrize("case", ["norm_decode_with_dn", "norm_decode_without_dn", "norm_decode_without_residual"])
 def test_norm_backward_with_the_decode_inside_matches_float64_autograd(report, case):
     r = report[case]
@@ -203,7 +226,7 @@ def _hopper_cases():
     """(kernel, its arguments' types in order, constants, warps) at the seed shape, for the kernels that take plain
     pointers (the fused MLP's takes TMA descriptors, made on a GPU)."""
     from creditlab.kernels import embedding_grad, fit_rows, gate_decode as gd, norm_decode, qk_norm_rotary as qk, softcap_ce, tiled_transpose
-    from creditlab.kernels import qkv_rotary as qkv
+    from creditlab.kernels import qkv_rotary as qkv, thin_linear as thin
 
     qkv_tiles = qkv.DEFAULT_TILES
 
@@ -238,6 +261,10 @@ def _hopper_cases():
         "state_gate": (gd._state_gate, [f"tensordesc<bf16[{gate.block_m}, {gate.block_k}]>",
                                         f"tensordesc<bf16[64, {gate.block_k}]>", f"tensordesc<bf16[{gate.block_m}, 64]>"],
                        {"K": 512, "BLOCK_M": gate.block_m, "BLOCK_K": gate.block_k, "STAGES": gate.stages}, gate.warps),
+        "thin_forward": (thin._thin_forward, ["*bf16", "i32", "*bf16", "*bf16", "i32"],
+                         {"K": 12, "N": 4, "KP": 16, "NP": 4, "ROWS": thin.ROWS}, thin.WARPS),
+        "thin_backward": (thin._thin_backward, ["*bf16", "*bf16", "i32", "*bf16", "*bf16", "*fp32", "i32"],
+                          {"K": 12, "N": 4, "KP": 16, "NP": 4, "ROWS": thin.ROWS}, thin.WARPS),
         "qkv_rotary": (qkv._qkv_kernel, [f"tensordesc<bf16[{qkv_tiles.block_m}, {qkv_tiles.block_k}]>",
                                          f"tensordesc<bf16[{128 * qkv_tiles.heads_per_tile}, {qkv_tiles.block_k}]>"]
                        + [f"tensordesc<bf16[{qkv_tiles.block_m}, 64]>"] * 3 + ["*fp32"] * 3 + ["i32", "i32", "fp32"],
@@ -252,7 +279,8 @@ def _hopper_cases():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["fit_rows", "qk_forward", "qk_backward", "softcap_ce", "softcap_ce_fp8", "transpose",
-                                  "norm_decode", "embedding_grad", "state_gate", "gated_decode", "qkv_rotary"])
+                                  "norm_decode", "embedding_grad", "state_gate", "gated_decode", "qkv_rotary",
+                                  "thin_forward", "thin_backward"])
 def test_each_kernel_compiles_for_hopper(name):
     """Through Triton's whole compiler to a cubin for sm_90 at the seed shape's constants, on the CPU: what the
     interpreter lets pass (a global that is not a constexpr, a shape past the shared memory) fails here."""

@@ -284,12 +284,14 @@ def test_the_upcast_scan_flags_square():
 @pytest.mark.parametrize("mlp, qk, norm", [("fused", "plain", "plain"), ("plain", "plain", "plain"),
                                           ("fused", "fused", "plain"), ("fused", "fused", "keep_output"),
                                           ("fused", "product", "keep_output")])
-def test_the_model_compiles_to_one_graph(mlp, qk, norm):
+@pytest.mark.parametrize("gate", ["plain", "fused"])
+def test_the_model_compiles_to_one_graph(mlp, qk, norm, gate):
     # A graph break splits the compiled step and stops fusion across it (a custom `jvp` on the fused MLP's
     # Functions once broke the graph at every MLP: 3,772 kernels per seed update instead of about 3,200).
     from creditlab.credit.sources import OmitCredit
 
     cfg = config.load("tiny", ["model.vocab_size=97", f"model.mlp={mlp}", f"model.qk={qk}", f"model.norm={norm}",
+                               f"model.attn_gate={gate}",
                                f"model.embed={'fused' if qk == 'fused' else 'plain'}"] +
                       (["model.recompute=mlp"] if mlp == "plain" else []))
     model = GPT(cfg.model)

@@ -89,6 +89,8 @@ def test_recompute_spec_errors_name_the_parts():
         config.load("tiny", ["model.recompute=qk", "model.mlp=plain", "model.qk=product"])
     with pytest.raises(config.ConfigError, match=r"model\.qk must be one of fused\|product\|plain"):
         config.load("tiny", ["model.qk=epilogue"])
+    with pytest.raises(config.ConfigError, match=r"model\.attn_gate must be one of fused\|plain"):
+        config.load("tiny", ["model.attn_gate=triton"])
     with pytest.raises(config.ConfigError, match="keep nothing of their own"):
         config.load("tiny", ["model.recompute=norm", "model.norm=keep_output"])
     assert config.load("tiny", ["model.recompute=all"]).model.mlp == "fused"  # all: every part there is

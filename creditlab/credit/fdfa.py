@@ -80,13 +80,14 @@ class TangentCredit(ExactCredit):
 
 @contextlib.contextmanager
 def forward_mode_ready(model: GPT):
-    """The model with every module's `recompute` flag off and its MLPs, QK-norms and block norms plain (op by op)
-    for the duration, then as it was: the fused Functions define no forward-mode derivative (relu2.py,
-    qk_norm.py, model.py's norm keeping its output); the plain modules compute the same functions, so the
-    tangents are the same."""
+    """The model with every module's `recompute` flag off and its MLPs, QK-norms, attention gates and block norms
+    plain (op by op) for the duration, then as it was: the fused Functions define no forward-mode derivative
+    (relu2.py, qk_norm.py, attention_gate.py, model.py's norm keeping its output); the plain modules compute the
+    same functions, so the tangents are the same."""
     settings = ([(m, "recompute", False) for m in model.modules() if isinstance(getattr(m, "recompute", None), bool)]
                 + [(m, "activation", None) for m in model.modules() if isinstance(m, MLP)]
                 + [(m, "qk", "plain") for m in model.modules() if isinstance(m, Attention)]
+                + [(m, "fused_gate", False) for m in model.modules() if isinstance(m, Attention)]
                 + [(m, "keep_norm_output", False) for m in model.modules() if isinstance(m, Block)])
     kept = [(m, name, getattr(m, name)) for m, name, _ in settings]
     try:
