@@ -739,6 +739,7 @@ if __name__ == "__main__":
         "qk_strided_rows": qk_norm_rotary_errors(2, 21, 2, 16, seed=2, extra_columns=12),
         "qkv_two_heads_a_tile": qkv_rotary_errors(2, 21, 4, 16, 40, 2),
         "qkv_one_head_a_tile": qkv_rotary_errors(1, 37, 3, 32, 24, 1, seed=1),
+        "qkv_odd_heads": qkv_rotary_errors(2, 19, 3, 16, 24, 2, seed=2),  # two heads a tile asked: one taken
         "qkv_wrong_eps": qkv_rotary_errors(2, 21, 4, 16, 40, 2, wrong_eps=True),
         "qkv_product": qkv_product_through_kernel(),
         "thin_linear_gate": thin_linear_errors(300, 40, 12, 4),

@@ -110,7 +110,7 @@ def test_the_qk_comparison_fails_for_another_epsilon(report):
     assert min(r["q"], r["k"], r["dqkv"]) > 1e-4, r
 
 
-@pytest.mark.parametrize("case", ["qkv_two_heads_a_tile", "qkv_one_head_a_tile"])
+@pytest.mark.parametrize("case", ["qkv_two_heads_a_tile", "qkv_one_head_a_tile", "qkv_odd_heads"])
 def test_the_qkv_product_with_qk_norm_in_its_epilogue_matches_float64_and_writes_every_element(report, case):
     r = report[case]
     assert r["all_written"], r

@@ -100,20 +100,24 @@ if triton is not None:
                             BLOCK_M, HD, H)
 
 
-def supported(x: torch.Tensor, w: torch.Tensor, heads: int, config: TileConfig | None = None) -> bool:
-    """Whether the kernel takes these operands: 2-D, one 16-bit float dtype, rows 16-byte aligned (TMA), a head
-    dimension that is a power of two of at least 16, and tiles of whole heads that divide the width."""
-    cfg = config or DEFAULT_TILES
+def supported(x: torch.Tensor, w: torch.Tensor, heads: int) -> bool:
+    """Whether the kernel takes these operands: 2-D, one 16-bit float dtype, rows 16-byte aligned (TMA) and a head
+    dimension that is a power of two of at least 16."""
     if x.dim() != 2 or w.dim() != 2 or x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float16):
         return False
-    return _shapes_fit(x, w, heads, cfg)
+    return _shapes_fit(x, w, heads)
 
 
-def _shapes_fit(x: torch.Tensor, w: torch.Tensor, heads: int, cfg: TileConfig) -> bool:
+def _shapes_fit(x: torch.Tensor, w: torch.Tensor, heads: int) -> bool:
     width, rem = divmod(w.shape[0], 3)
     hd = width // heads if heads and width % heads == 0 else 0
-    return (rem == 0 and hd >= 16 and hd & (hd - 1) == 0 and x.shape[1] == w.shape[1] and x.shape[1] % 8 == 0
-            and heads % cfg.heads_per_tile == 0)
+    return rem == 0 and hd >= 16 and hd & (hd - 1) == 0 and x.shape[1] == w.shape[1] and x.shape[1] % 8 == 0
+
+
+def _tiles(config: TileConfig | None, heads: int) -> TileConfig:
+    """The tiles asked for, one head a tile where two do not divide the heads."""
+    cfg = config or DEFAULT_TILES
+    return cfg if heads % cfg.heads_per_tile == 0 else dataclasses.replace(cfg, heads_per_tile=1)
 
 
 def qkv_norm_rotary(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, T: int,
@@ -122,10 +126,10 @@ def qkv_norm_rotary(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: to
     RMS-normalized per head and rotated (cos, sin: (>= T, head_dim / 2), float32), v (tokens, width) as projected,
     all in x's dtype; scales (tokens, 2, heads) float32, 1 / rms of each head of q and k. `out`: the four tensors
     to write (a test poisons them)."""
-    cfg = config or DEFAULT_TILES
-    if not _shapes_fit(x, w, heads, cfg) or x.dtype != w.dtype:
+    cfg = _tiles(config, heads)
+    if not _shapes_fit(x, w, heads) or x.dtype != w.dtype:
         raise ValueError(f"the kernel does not take x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype} "
-                         f"with {heads} heads and {cfg.heads_per_tile} heads a tile")
+                         f"with {heads} heads")
     x, w = x.contiguous(), w.contiguous()
     M, K = x.shape
     width = w.shape[0] // 3
