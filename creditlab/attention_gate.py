@@ -15,7 +15,6 @@ checks run through the same Function.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from creditlab import kernels
 from creditlab.kernels import thin_linear
@@ -81,6 +80,6 @@ class _ThinLinear(torch.autograd.Function):
         return (dx if ctx.needs_input_grad[0] else None), dw.to(ctx.weight_dtype)
 
 
-def gate_linear(x: torch.Tensor, weight: torch.Tensor, fused: bool) -> torch.Tensor:
-    """x W^T for the attention gate: through the one-pass Function (`fused`) or F.linear."""
-    return _ThinLinear.apply(x, weight) if fused else F.linear(x, weight)
+def gate_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T, what F.linear(x, weight) computes, one pass each way."""
+    return _ThinLinear.apply(x, weight)

@@ -169,7 +169,9 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            is_causal=True, scale=0.12)
         y = y.transpose(1, 2)  # (B, T, H, hd)
-        y = y * torch.sigmoid(gate_linear(n[..., :self.gate_dim], self.gate.weight, self.fused_gate))[..., None]
+        gate_input = n[..., :self.gate_dim]
+        gate = gate_linear(gate_input, self.gate.weight) if self.fused_gate else self.gate(gate_input)
+        y = y * torch.sigmoid(gate)[..., None]
         return self.proj(y.reshape(B, T, d))
 
 

@@ -375,7 +375,7 @@ def attention_gate_through_kernel():
         n = torch.randn(2, 37, 24, generator=g, requires_grad=True)
         w = torch.randn(4, 12, generator=g, requires_grad=True)
         gy = torch.randn(2, 37, 4, generator=g)
-        y = attention_gate.gate_linear(n[..., :12], w, fused=True)
+        y = attention_gate.gate_linear(n[..., :12], w)
         grads = torch.autograd.grad(y, (n, w), gy)
         n64, w64 = (t.detach().double().requires_grad_(True) for t in (n, w))
         y64 = torch.nn.functional.linear(n64[..., :12], w64)
