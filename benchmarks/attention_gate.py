@@ -20,11 +20,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fp8_head import checked_paths, round_summary  # noqa: E402
+from fp8_head import checked_paths, error_text, round_summary  # noqa: E402
 from gate_decode import CALLS, graphed  # noqa: E402
 
 from creditlab.kernels import thin_linear  # noqa: E402
-from creditlab.runtime import gpu_benchmark_folder, largest_relative_error, write_benchmark  # noqa: E402
+from creditlab.runtime import gpu_benchmark_folder, write_benchmark  # noqa: E402
 
 
 def main() -> int:
@@ -45,25 +45,17 @@ def main() -> int:
     w = (torch.randn(H, K, device="cuda") * K ** -0.5).bfloat16()
     dy = (torch.randn(N, H, device="cuda") * 1e-2).bfloat16()
     x64, w64, dy64 = x.double(), w.double(), dy.double()
-    want = {"forward": [x64 @ w64.t()], "backward": [dy64 @ w64, dy64.t() @ x64]}
+    forward, backward = x64 @ w64.t(), (dy64 @ w64, dy64.t() @ x64)
 
-    paths = {"forward": [("cuBLAS: F.linear", lambda: (torch.nn.functional.linear(x, w),))],
-             "backward": [("cuBLAS: dy w and dy^T x", lambda: (dy @ w, dy.t() @ x))]}
+    paths = {"forward": [("cuBLAS: F.linear", lambda: torch.nn.functional.linear(x, w), forward)],
+             "backward": [("cuBLAS: dy w and dy^T x", lambda: (dy @ w, dy.t() @ x), backward)]}
     for rows, warps in ((thin_linear.ROWS, thin_linear.WARPS), (128, 4), (512, 4), (1024, 8)):
         default = " (the default)" if (rows, warps) == (thin_linear.ROWS, thin_linear.WARPS) else ""
         paths["forward"].append((f"kernel: {rows} rows a program, {warps} warps{default}",
-                                 lambda r=rows, nw=warps: (thin_linear.thin_forward(x, w, r, nw),)))
+                                 lambda r=rows, nw=warps: thin_linear.thin_forward(x, w, r, nw), forward))
         paths["backward"].append((f"kernel: {rows} rows a program, {warps} warps, then the partial sums{default}",
-                                  lambda r=rows, nw=warps: thin_linear.thin_backward(dy, x, w, r, nw)))
-    errors = {}
-    for group, group_paths in paths.items():  # each output against float64 before anything is timed
-        for name, fn in group_paths:
-            try:
-                errors[name] = [largest_relative_error(got, ref) for got, ref in zip(fn(), want[group])]
-            except Exception as error:  # reported by checked_paths below
-                print(f"{name}: {error}", flush=True)
-    times, _, failures, group_of, base = checked_paths(
-        {group: [(name, fn, None) for name, fn in group_paths] for group, group_paths in paths.items()}, graphed)
+                                  lambda r=rows, nw=warps: thin_linear.thin_backward(dy, x, w, r, nw), backward))
+    times, errors, failures, group_of, base = checked_paths(paths, graphed)  # each output against float64 first
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": N, "gate_dim": K,
               "heads": H, "calls_per_replay": CALLS, "paths": {}, "failures": failures}
     lines = [f"# The attention gate's product, {N:,} tokens x {K} -> {H} (the leading channels of a {d}-wide input), "
@@ -76,10 +68,9 @@ def main() -> int:
         group = group_of[name]
         r = round_summary([t / CALLS for t in ms], [t / CALLS for t in times[base[group]]])
         median, (lo, hi) = r["median_ms"], r["ratio_range"]
-        result["paths"][name] = {"direction": group} | r | {"errors": errors.get(name)}
-        error = ", ".join(f"{e:.1e}" for e in errors[name]) if name in errors else "-"
+        result["paths"][name] = {"direction": group} | r | {"errors": errors[name]}
         lines.append(f"| {group}: {name} | {median * 1e3:.1f} | {r['ratio_per_round']:.3f} ({lo:.3f} .. {hi:.3f}) | "
-                     f"{error} |")
+                     f"{error_text(errors[name])} |")
     for name, why in failures.items():
         lines.append(f"| {name} | failed: {why.strip().splitlines()[-1][:200]} | | |")
     write_benchmark(out, "attention_gate", result, lines)

@@ -91,7 +91,8 @@ def alternated_rounds(run: dict, rounds: int = 10) -> dict[str, list[float]]:
 def checked_paths(groups: dict, wrap=lambda fn: fn) -> tuple[dict, dict, dict, dict, dict]:
     """Each path of `groups` ({product: [(name, callable, the float64 result it computes or None)]}) run once and
     checked against its float64 result, then all timed in alternated rounds: (times in ms, errors, failures,
-    group of each path, base path of each group, its first that ran). `wrap` turns a checked callable into the
+    group of each path, base path of each group, its first that ran). A path with several outputs gives a tuple
+    of float64 results, and its error is the list of each output's. `wrap` turns a checked callable into the
     one timed (a CUDA graph of several calls, say). A path that fails is reported, not fatal."""
     runs, errors, failures, group_of = {}, {}, {}, {}
     for group, paths in groups.items():
@@ -99,16 +100,27 @@ def checked_paths(groups: dict, wrap=lambda fn: fn) -> tuple[dict, dict, dict, d
             try:
                 got = fn()
                 torch.cuda.synchronize()
+                if isinstance(want, tuple):
+                    errors[name] = [largest_relative_error(g, w) for g, w in zip(got, want, strict=True)]
+                else:
+                    errors[name] = None if want is None else largest_relative_error(got, want)
                 runs[name] = wrap(fn)
             except Exception as error:
                 failures[name] = "".join(traceback.format_exception_only(error))[-2000:]
                 print(f"{name}: failed\n{failures[name]}", flush=True)
+                errors.pop(name, None)
                 continue
-            errors[name] = None if want is None else largest_relative_error(got, want)
             group_of[name] = group
     times = alternated_rounds(runs) if runs else {}
     base = {group: next(name for name in times if group_of[name] == group) for group in set(group_of.values())}
     return times, errors, failures, group_of, base
+
+
+def error_text(error) -> str:
+    """A path's error as its table prints it: "-" where it has no float64 result, several outputs comma-joined."""
+    if error is None:
+        return "-"
+    return ", ".join(f"{e:.1e}" for e in error) if isinstance(error, list) else f"{error:.1e}"
 
 
 def round_summary(ms: list[float], base_ms: list[float]) -> dict:

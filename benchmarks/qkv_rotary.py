@@ -17,14 +17,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fp8_head import checked_paths, round_summary  # noqa: E402
+from fp8_head import checked_paths, error_text, round_summary  # noqa: E402
 from qk_norm import attention_problem  # noqa: E402
 
 from creditlab.kernels import qk_norm_rotary as qk_kernels  # noqa: E402
 from creditlab.kernels import qkv_rotary  # noqa: E402
 from creditlab.kernels import relu2_matmul as rm  # noqa: E402
 from creditlab.model import Rotary, norm  # noqa: E402
-from creditlab.runtime import largest_relative_error, write_benchmark  # noqa: E402
+from creditlab.runtime import write_benchmark  # noqa: E402
 
 TILES = [qkv_rotary.TileConfig(bm, heads, bk, group, stages, warps) for bm, heads, bk, group, stages, warps in
          ((128, 2, 64, 16, 3, 8), (128, 1, 64, 16, 3, 8), (128, 1, 64, 16, 4, 8), (128, 1, 64, 16, 3, 4),
@@ -43,7 +43,7 @@ def main() -> int:
     qkv64 = x.double() @ w.double().t()
     q64, k64, v64 = qkv64.view(B, T, 3, H, hd).unbind(2)
     rot64 = Rotary(hd, T, 10_000.0).cuda().double()
-    want = [t.reshape(M, d) for t in (rot64(norm(q64)), rot64(norm(k64)), v64)]
+    want = tuple(t.reshape(B, T, H, hd) for t in (rot64(norm(q64)), rot64(norm(k64)), v64))
 
     def then_kernel():
         q, k, v, _ = qk_kernels.qk_norm_rotary_forward((x @ w.t()).view(B, T, 3 * d), rot.cos, rot.sin, H)
@@ -57,15 +57,9 @@ def main() -> int:
         paths.append((f"product + QK-norm epilogue: {tiles.block_m} x {tiles.heads_per_tile * hd} x "
                       f"{tiles.block_k}, groups of {tiles.group_m}, {tiles.stages} stages, {tiles.warps} warps"
                       f"{default}",
-                      lambda t=tiles: qkv_rotary.qkv_norm_rotary(x, w, rot.cos, rot.sin, H, T, 1e-6, t)[:3], want))
-    errors = {}
-    for name, fn, reference in paths:  # q, k and v each against float64; a path that fails is timed no further
-        if reference is not None:
-            try:
-                errors[name] = [largest_relative_error(got.reshape(M, d), ref) for got, ref in zip(fn(), reference)]
-            except Exception as error:  # reported by checked_paths below
-                print(f"{name}: {error}", flush=True)
-    times, _, failures, _, base = checked_paths({"forward": [(name, fn, None) for name, fn, _ in paths]})
+                      lambda t=tiles: tuple(o.view(B, T, H, hd) for o in qkv_rotary.qkv_norm_rotary(
+                          x, w, rot.cos, rot.sin, H, T, 1e-6, t)[:3]), want))
+    times, errors, failures, _, base = checked_paths({"forward": paths})  # q, k and v each against float64
     flop = 2 * M * d * 3 * d
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": M, "width": d,
               "heads": H, "paths": {}, "failures": failures}
@@ -79,10 +73,9 @@ def main() -> int:
     for name in times:
         r = round_summary(times[name], times[base["forward"]])
         median, (lo, hi) = r["median_ms"], r["ratio_range"]
-        result["paths"][name] = r | {"errors_qkv": errors.get(name), "tflop_per_s": flop / median / 1e9}
-        error = ", ".join(f"{e:.1e}" for e in errors[name]) if name in errors else "-"
+        result["paths"][name] = r | {"errors_qkv": errors[name], "tflop_per_s": flop / median / 1e9}
         lines.append(f"| {name} | {median:.4f} | {flop / median / 1e9:.0f} | {r['ratio_per_round']:.3f} "
-                     f"({lo:.3f} .. {hi:.3f}) | {error} |")
+                     f"({lo:.3f} .. {hi:.3f}) | {error_text(errors[name])} |")
     for name, why in failures.items():
         lines.append(f"| {name} | failed: {why.strip().splitlines()[-1][:200]} | | | |")
     write_benchmark(out, "qkv_rotary", result, lines)

@@ -321,3 +321,25 @@ def test_garbage_collections_are_marked_in_a_profiler_trace(tmp_path):
         p.export_chrome_trace(str(tmp_path / f"{name}.json"))
         names.append({e.get("name") for e in json.loads((tmp_path / f"{name}.json").read_text())["traceEvents"]})
     assert arms.GC_LABEL in names[0] and arms.GC_LABEL not in names[1]
+
+
+def test_checked_paths_check_every_output_against_float64_and_report_a_path_that_fails(monkeypatch):
+    """The GPU benchmarks' helper (benchmarks/fp8_head.py), run on the CPU: a path's error against its float64
+    result, each output's where it gives several, a failing path reported and not timed, each group's base its
+    first path that ran."""
+    import torch
+
+    bench = load("fp8_head")
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(bench, "cuda_ms", lambda fn, repeats, warmup: fn() is not None and 1.0)
+    a = torch.ones(3)
+    groups = {"first": [("broken", lambda: 1 / 0, None), ("one", lambda: a * 1.5, a.double() * 1.5),
+                        ("untimed reference", lambda: a, None)],
+              "second": [("two", lambda: (a, 2 * a), (a.double(), 2 * a.double())),
+                         ("wrong second output", lambda: (a, a), (a.double(), 2 * a.double()))]}
+    times, errors, failures, group_of, base = bench.checked_paths(groups)
+    assert errors == {"one": 0.0, "untimed reference": None, "two": [0.0, 0.0], "wrong second output": [0.0, 0.5]}
+    assert "ZeroDivisionError" in failures["broken"] and "broken" not in times and len(times["one"]) == 10
+    assert base == {"first": "one", "second": "two"} and group_of["wrong second output"] == "second"
+    assert [bench.error_text(errors[k]) for k in ("one", "untimed reference", "wrong second output")] == \
+        ["0.0e+00", "-", "0.0e+00, 5.0e-01"]

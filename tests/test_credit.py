@@ -106,25 +106,6 @@ def test_the_omission_check_passes_with_qk_norm_in_the_qkv_products_epilogue_and
         assert result["passed"] and result["omitted"] == result["expected"] == SMALL.branches, (options, result)
 
 
-@pytest.mark.parametrize("name", ["exact", "zero", "learned"])
-def test_the_one_pass_attention_gate_gives_the_same_gradients(name, monkeypatch):
-    """model.attn_gate=fused (the gate's product through attention_gate.py's Function) against F.linear, float64:
-    every trunk gradient to 1e-12 under exact backprop, zero and learned; the Function ran at every layer."""
-    from creditlab import attention_gate
-
-    make = dict(_qk_product_credits())[name]
-    calls, original = [], attention_gate._ThinLinear.apply
-    monkeypatch.setattr(attention_gate._ThinLinear, "apply", lambda *a: calls.append(1) or original(*a))
-    grads = {}
-    for gate in ("plain", "fused"):
-        cfg = dataclasses.replace(SMALL, attn_gate=gate)
-        model = checks.randomized_model(cfg, 0)
-        idx, targets = checks._batch(cfg, 0)
-        grads[gate] = checks._trunk_grads(model, idx, targets, make())
-    assert max(checks._rel_errors(grads["fused"], grads["plain"]).values()) < 1e-12
-    assert len(calls) == SMALL.layers
-
-
 def _qk_product_credits():
     """(name, credit factory) for every way a credit context forms the Q/K/V product: the plain product (exact,
     zero, learned), the sketch's own product, and an attention branch's product merged with its state gate."""
@@ -148,6 +129,18 @@ def _qk_product_credits():
             ("learned_merged_gates", learned("merged")), ("sketch", sketch)]
 
 
+def _grads_under(key: str, values: tuple[str, str], make) -> dict[str, dict[str, torch.Tensor]]:
+    """Each value of model.<key>: the float64 trunk gradients of the same randomized model and batch under the
+    credit context make() gives."""
+    grads = {}
+    for value in values:
+        cfg = dataclasses.replace(SMALL, **{key: value})
+        model = checks.randomized_model(cfg, 0)
+        idx, targets = checks._batch(cfg, 0)
+        grads[value] = checks._trunk_grads(model, idx, targets, make())
+    return grads
+
+
 @pytest.mark.parametrize("name", [name for name, _ in _qk_product_credits()])
 def test_qk_norm_in_the_qkv_products_epilogue_gives_every_sources_gradients(name, monkeypatch):
     """model.qk=product (QK-norm and rotary inside the Q/K/V product, whose backward runs the QK-norm's backward
@@ -156,18 +149,27 @@ def test_qk_norm_in_the_qkv_products_epilogue_gives_every_sources_gradients(name
     from creditlab import qk_norm
 
     make = dict(_qk_product_credits())[name]
-    grads, calls = {}, []
-    original = qk_norm.QKEpilogue.product
+    calls, original = [], qk_norm.QKEpilogue.product
     monkeypatch.setattr(qk_norm.QKEpilogue, "product", lambda *a: calls.append(1) or original(*a))
-    for qk in ("fused", "product"):
-        cfg = dataclasses.replace(SMALL, qk=qk)
-        model = checks.randomized_model(cfg, 0)
-        idx, targets = checks._batch(cfg, 0)
-        grads[qk] = checks._trunk_grads(model, idx, targets, make())
+    grads = _grads_under("qk", ("fused", "product"), make)
     assert max(checks._rel_errors(grads["product"], grads["fused"]).values()) < 1e-12
     # the fused product ran where the context forms the product plainly; the sketch and merged gates form it
     # themselves and apply the epilogue after it
     assert len(calls) == (0 if name in ("sketch", "learned_merged_gates") else SMALL.layers), len(calls)
+
+
+@pytest.mark.parametrize("name", ["exact", "zero", "learned"])
+def test_the_one_pass_attention_gate_gives_the_same_gradients(name, monkeypatch):
+    """model.attn_gate=fused (the gate's product through attention_gate.py's Function) against F.linear, float64:
+    every trunk gradient to 1e-12 under exact backprop, zero and learned; the Function ran at every layer."""
+    from creditlab import attention_gate
+
+    make = dict(_qk_product_credits())[name]
+    calls, original = [], attention_gate._ThinLinear.apply
+    monkeypatch.setattr(attention_gate._ThinLinear, "apply", lambda *a: calls.append(1) or original(*a))
+    grads = _grads_under("attn_gate", ("plain", "fused"), make)
+    assert max(checks._rel_errors(grads["fused"], grads["plain"]).values()) < 1e-12
+    assert len(calls) == SMALL.layers
 
 
 def test_the_qkv_products_backward_wiring_is_checked():
