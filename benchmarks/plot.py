@@ -373,9 +373,15 @@ def plot_softcap_variants(results: Path, out: Path, name: str) -> Path:
     return _save(fig, out / name)
 
 
-def plot_dgrad_paths(results: list[Path], out: Path, name: str) -> Path:
-    """The fused MLP's products, one micro-batch: each path's time over its product's Triton kernel per round
-    (median and range of alternated rounds), in each process."""
+MLP_PATHS = ("time over the product's Triton kernel, per round (median, range of 10 alternated rounds)",
+             "the fused MLP's products on Hopper (the derivative product (dy W) * 2 sqrt(post) unless named)\n"
+             "131,072 x 512 -> 2,048, bf16, one H200")
+
+
+def plot_path_ratios(results: list[Path], out: Path, name: str, labels: tuple[str, str] = MLP_PATHS) -> Path:
+    """A kernel benchmark's paths (`checked_paths`' results: "paths" with "ratio_per_round" and "ratio_range"),
+    each path's time over its group's base per round (median and range of alternated rounds), in each process;
+    `labels`: the x label and the title."""
     data = [json.loads(r.read_text())["paths"] for r in results]
     names = list(data[0])
     fig, ax = plt.subplots(figsize=(10, 0.36 * len(names) * len(data) + 1.4))
@@ -391,9 +397,7 @@ def plot_dgrad_paths(results: list[Path], out: Path, name: str) -> Path:
     ax.axvline(1.0, color="black", lw=0.8)
     ax.set_yticks(range(len(names)), [textwrap.fill(n, 70) for n in names], fontsize=7)
     ax.invert_yaxis()
-    ax.set(xlabel="time over the product's Triton kernel, per round (median, range of 10 alternated rounds)",
-           title="the fused MLP's products on Hopper (the derivative product (dy W) * 2 sqrt(post) unless named)\n"
-                 "131,072 x 512 -> 2,048, bf16, one H200")
+    ax.set(xlabel=labels[0], title=labels[1])
     ax.legend(fontsize=8, loc="lower right")
     return _save(fig, out / name)
 
@@ -513,10 +517,10 @@ def main() -> None:
     print(plot_softcap_variants(results / "softcap_ce_held_seed.json", out, "softcap_ce_held_seed.png"))
     print(plot_softcap_variants(results / "softcap_ce_held_split_seed.json", out, "softcap_ce_held_split_seed.png"))
     print(plot_embedding_grad(results / "embedding_grad_seed.json", out, "embedding_grad_seed.png"))
-    print(plot_dgrad_paths([results / f"relu2_hopper_flat{n}_seed.json" for n in ("_second", "")], out,
+    print(plot_path_ratios([results / f"relu2_hopper_flat{n}_seed.json" for n in ("_second", "")], out,
                            "relu2_hopper_flat_seed.png"))
-    print(plot_dgrad_paths([results / "relu2_hopper_seed.json"], out, "relu2_hopper_seed.png"))
-    print(plot_dgrad_paths([results / "relu2_hopper_expand_seed.json"], out, "relu2_hopper_expand_seed.png"))
+    print(plot_path_ratios([results / "relu2_hopper_seed.json"], out, "relu2_hopper_seed.png"))
+    print(plot_path_ratios([results / "relu2_hopper_expand_seed.json"], out, "relu2_hopper_expand_seed.png"))
     print(plot_gate_decode(results / "gate_decode_first_seed.json", out, "gate_decode_first_seed.png"))
     print(plot_gate_decode(results / "gate_decode_seed.json", out, "gate_decode_seed.png"))
     print(plot_kernel_bandwidth(results / "kernel_bandwidth_seed.json", out, "kernel_bandwidth_seed.png"))

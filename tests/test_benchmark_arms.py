@@ -343,3 +343,16 @@ def test_checked_paths_check_every_output_against_float64_and_report_a_path_that
     assert base == {"first": "one", "second": "two"} and group_of["wrong second output"] == "second"
     assert [bench.error_text(errors[k]) for k in ("one", "untimed reference", "wrong second output")] == \
         ["0.0e+00", "-", "0.0e+00, 5.0e-01"]
+
+
+def test_a_kernel_benchmarks_paths_are_drawn_as_ratio_bars(tmp_path):
+    """plot.py's figure of checked_paths' results (one process or several), from the JSON a benchmark writes."""
+    import json
+
+    plot = load("plot")
+    paths = {"the step's path": {"ratio_per_round": 1.0, "ratio_range": [1.0, 1.0]},
+             "a kernel": {"ratio_per_round": 0.9, "ratio_range": [0.85, 0.97], "errors": [1e-3, 2e-3]}}
+    results = tmp_path / "bench.json"
+    results.write_text(json.dumps({"paths": paths}))
+    figure = plot.plot_path_ratios([results, results], tmp_path, "bench.png", ("over the step's path", "a title"))
+    assert figure == tmp_path / "bench.png" and figure.stat().st_size > 1000
