@@ -22,10 +22,9 @@ from creditlab.kernels import thin_linear
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """t (..., K) as (tokens, K), without a copy where its rows are evenly spaced (a slice of leading channels)."""
-    lead = t.shape[:-1]
-    if t.dim() >= 2 and all(t.stride(i) == t.stride(i + 1) * t.shape[i + 1] for i in range(t.dim() - 2)):
+    if all(t.stride(i) == t.stride(i + 1) * t.shape[i + 1] for i in range(t.dim() - 2)):
         return t.as_strided((t.numel() // t.shape[-1], t.shape[-1]), (t.stride(-2), t.stride(-1)))
-    return t.reshape(-1, t.shape[-1]) if lead else t
+    return t.reshape(-1, t.shape[-1])
 
 
 def _kernel_takes(rows: torch.Tensor, w: torch.Tensor) -> bool:
@@ -66,9 +65,8 @@ def _(dy, x, w):
 class _ThinLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight):
-        kind = x.device.type
-        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-        xc, w = x.to(dtype), weight.to(dtype)  # as F.linear casts under autocast
+        dtype = kernels.compute_dtype(x)
+        xc, w = x.to(dtype), weight.to(dtype)
         ctx.save_for_backward(xc, w)
         ctx.weight_dtype = weight.dtype
         return thin_linear_op(xc, w)

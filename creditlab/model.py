@@ -9,8 +9,8 @@ the Q/K/V projection of attention and the expansion of the MLP (which, fused, al
 Everything else in a branch (the attention gate, the value embeddings, the output projections) reads `n` itself
 and stays exact. QK-norm and rotary run as one operation on the Q/K/V product's output (qk_norm.py), inside
 the product itself with model.qk=product, or op by op with model.qk=plain. The residual stream entering the
-final norm passes `credit.terminal(x)`: the tap where the terminal error appears in backward; `credit.finish(loss)` may add exactly-zero terms that carry injected
-corrections (credit/sources.py).
+final norm passes `credit.terminal(x)`: the tap where the terminal error appears in backward;
+`credit.finish(loss)` may add exactly-zero terms that carry injected corrections (credit/sources.py).
 """
 
 from __future__ import annotations

@@ -145,9 +145,8 @@ class _ProductNormRotary(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, n, weight, cos, sin, heads: int):
-        kind = n.device.type
-        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else n.dtype
-        x, w = n.to(dtype), weight.to(dtype)  # as F.linear casts under autocast
+        dtype = kernels.compute_dtype(n)
+        x, w = n.to(dtype), weight.to(dtype)
         q, k, v, scales = product_forward_op(x, w, cos, sin, heads)
         ctx.save_for_backward(x, w, q, k, scales, cos, sin)
         ctx.weight_dtype = weight.dtype

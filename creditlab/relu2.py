@@ -74,12 +74,6 @@ def relu2_dgrad_gluon(dy: torch.Tensor, w: torch.Tensor, post: torch.Tensor) -> 
 relu2_dgrad_gluon.register_fake(_dgrad_fake)
 
 
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    """The dtype F.linear would compute in here: the autocast dtype where autocast is on, else t's."""
-    kind = t.device.type
-    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else t.dtype
-
-
 def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
@@ -87,7 +81,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def expand_relu2_values(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(post, x, w) with post = relu(x w^T)^2 and x, w cast as F.linear would cast them: the forward shared by
     every expansion that keeps the convention (this module's and the sketch's)."""
-    dtype = _compute_dtype(x)
+    dtype = kernels.compute_dtype(x)
     x, w = x.to(dtype), w.to(dtype)
     post = relu2_linear(_rows(x), w).view(*x.shape[:-1], w.shape[0])
     return post, x, w

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from creditlab import kernels
 from creditlab.config import Config, CreditConfig, ModelConfig
 from creditlab.kernels import gate_decode as gate_decode_kernel
 from creditlab.kernels import norm_decode as norm_decode_kernel
@@ -194,8 +195,7 @@ class _ProductWithGate(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, n, weight, gate_weight):
-        kind = n.device.type
-        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else n.dtype
+        dtype = kernels.compute_dtype(n)
         n = n.to(dtype)
         out = n @ torch.cat([weight, gate_weight]).to(dtype).t()
         rows = weight.shape[0]

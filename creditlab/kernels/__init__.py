@@ -13,11 +13,19 @@ from creditlab.kernels._triton import triton
 from creditlab.kernels import tiled_transpose
 from creditlab.kernels.softcap_ce import softcap_ce_rows
 
-__all__ = ["available", "softcap_ce_rows", "transpose"]
+__all__ = ["available", "compute_dtype", "softcap_ce_rows", "transpose"]
 
 
 def available(t: torch.Tensor) -> bool:
     return triton is not None and t.is_cuda
+
+
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype F.linear would compute in on t's device: the autocast dtype where autocast is on, else t's. The
+    operators that stand in for a product (relu2.py, qk_norm.py, attention_gate.py, the merged state gates) cast
+    their operands to it, as autocast's F.linear would."""
+    kind = t.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else t.dtype
 
 
 def transpose(x: torch.Tensor) -> torch.Tensor:
