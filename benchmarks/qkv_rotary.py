@@ -57,8 +57,8 @@ def main() -> int:
         paths.append((f"product + QK-norm epilogue: {tiles.block_m} x {tiles.heads_per_tile * hd} x "
                       f"{tiles.block_k}, groups of {tiles.group_m}, {tiles.stages} stages, {tiles.warps} warps"
                       f"{default}",
-                      lambda t=tiles: tuple(o.view(B, T, H, hd) for o in qkv_rotary.qkv_norm_rotary(
-                          x, w, rot.cos, rot.sin, H, T, 1e-6, t)[:3]), want))
+                      lambda t=tiles: tuple(qkv_rotary.qkv_norm_rotary(x, w, rot.cos, rot.sin, H, T, 1e-6, t)[0].view(
+                          3, B, T, H, hd)), want))
     times, errors, failures, _, base = checked_paths({"forward": paths})  # q, k and v each against float64
     flop = 2 * M * d * 3 * d
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": M, "width": d,

@@ -120,22 +120,26 @@ def qk_norm_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head
 
 
 @torch.library.custom_op("creditlab::qkv_product_norm_rotary", mutates_args=())
-def product_forward_op(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> tuple[
-        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """forward_op of x w^T for x (B, T, d), w (3 width, d): the product and the forward pass as one kernel on
-    CUDA, the product and then forward_op elsewhere."""
+def product_forward_op(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qkv, scales): forward_op of x w^T for x (B, T, d), w (3 width, d), with q, k and v stacked in one
+    (3, B, T, heads, head_dim) tensor (an operator's outputs may not alias one another, so the caller takes the
+    three views). The product and the forward pass as one kernel on CUDA, the product and then forward_op
+    elsewhere."""
     B, T, d = x.shape
     rows = x.reshape(B * T, d)
+    hd = w.shape[0] // 3 // heads
     if kernels.available(x) and qkv_rotary.supported(rows, w, heads):
-        hd = w.shape[0] // 3 // heads
-        q, k, v, scales = qkv_rotary.qkv_norm_rotary(rows, w, cos, sin, heads, T, EPS)
-        return q.view(B, T, heads, hd), k.view(B, T, heads, hd), v.view(B, T, heads, hd), scales.view(B, T, 2, heads)
-    return forward_op(x @ w.t(), cos, sin, heads)
+        qkv, scales = qkv_rotary.qkv_norm_rotary(rows, w, cos, sin, heads, T, EPS)
+        return qkv.view(3, B, T, heads, hd), scales.view(B, T, 2, heads)
+    q, k, v, scales = forward_op(x @ w.t(), cos, sin, heads)
+    return torch.stack((q, k, v)), scales
 
 
 @product_forward_op.register_fake
 def _(x, w, cos, sin, heads):
-    return _forward_fake(x, x.shape[0], x.shape[1], w.shape[0], heads)
+    q, _, _, scales = _forward_fake(x, x.shape[0], x.shape[1], w.shape[0], heads)
+    return x.new_empty((3, *q.shape)), scales
 
 
 class _ProductNormRotary(torch.autograd.Function):
@@ -147,7 +151,8 @@ class _ProductNormRotary(torch.autograd.Function):
     def forward(ctx, n, weight, cos, sin, heads: int):
         dtype = kernels.compute_dtype(n)
         x, w = n.to(dtype), weight.to(dtype)
-        q, k, v, scales = product_forward_op(x, w, cos, sin, heads)
+        qkv, scales = product_forward_op(x, w, cos, sin, heads)
+        q, k, v = qkv.unbind(0)
         ctx.save_for_backward(x, w, q, k, scales, cos, sin)
         ctx.weight_dtype = weight.dtype
         return q, k, v

@@ -254,10 +254,11 @@ def qkv_rotary_errors(B, T, heads, hd, d, heads_per_tile, seed=0, wrong_eps=Fals
     x, w = torch.randn(B * T, d, generator=g), torch.randn(3 * heads * hd, d, generator=g) * 0.5
     rot, rot64 = Rotary(hd, T + 3, 10_000.0), Rotary(hd, T + 3, 10_000.0).double()
     nan = lambda *shape: torch.full(shape, float("nan"))  # noqa: E731
-    out = (nan(B * T, heads * hd), nan(B * T, heads * hd), nan(B * T, heads * hd), nan(B * T, 2, heads))
+    out = (nan(3, B * T, heads * hd), nan(B * T, 2, heads))
     cfg = qkv_rotary.TileConfig(heads_per_tile=heads_per_tile, **QKV_SMALL_TILES)
-    q, k, v, scales = qkv_rotary.qkv_norm_rotary(x, w, rot.cos, rot.sin, heads, T, 1e-2 if wrong_eps else 1e-6,
+    qkv_out, scales = qkv_rotary.qkv_norm_rotary(x, w, rot.cos, rot.sin, heads, T, 1e-2 if wrong_eps else 1e-6,
                                                  cfg, out=out)
+    q, k, v = qkv_out.unbind(0)
     qkv = (x.double() @ w.double().t()).view(B, T, 3 * heads * hd)
     q64, k64, v64 = qkv.view(B, T, 3, heads, hd).unbind(2)
     ref = (rot64(norm(q64)), rot64(norm(k64)), v64)

@@ -267,7 +267,7 @@ def _hopper_cases():
                           {"K": 12, "N": 4, "KP": 16, "NP": 4, "ROWS": thin.ROWS}, thin.WARPS),
         "qkv_rotary": (qkv._qkv_kernel, [f"tensordesc<bf16[{qkv_tiles.block_m}, {qkv_tiles.block_k}]>",
                                          f"tensordesc<bf16[{128 * qkv_tiles.heads_per_tile}, {qkv_tiles.block_k}]>"]
-                       + [f"tensordesc<bf16[{qkv_tiles.block_m}, 64]>"] * 3 + ["*fp32"] * 3 + ["i32", "i32", "fp32"],
+                       + [f"tensordesc<bf16[1, {qkv_tiles.block_m}, 64]>"] + ["*fp32"] * 3 + ["i32", "i32", "fp32"],
                        {"K": 512, "WIDTH": 512, "HD": 128, "HEADS_PER_TILE": qkv_tiles.heads_per_tile,
                         "BLOCK_M": qkv_tiles.block_m, "BLOCK_K": qkv_tiles.block_k, "GROUP_M": qkv_tiles.group_m,
                         "PROGRAMS": 132}, qkv_tiles.warps),

@@ -4,7 +4,9 @@
 leaves the chip, RMS-normalizes each head of q and k over the head dimension and rotates it by its token's
 position (t = row mod T), exactly what the one-pass QK-norm kernel (qk_norm_rotary.py) does to the product's
 output. The product's output is never written: the kernel writes q, k and v laid out for attention, and the
-per-token, per-head row scales that the QK-norm's backward (the same backward kernel) reads.
+per-token, per-head row scales that the QK-norm's backward (the same backward kernel) reads. q, k and v are
+the three slabs of one (3, tokens, width) tensor, stored through one 3-D descriptor with the part as a coordinate,
+so the epilogue has no branch on which part a tile holds.
 
 An output tile spans one or two whole heads (BLOCK_N = head_dim or 2 head_dim) of one of q, k, v, so a head's
 sum of squares is a row reduction inside the tile and each rotated pair (j, j + head_dim / 2) sits in the same
@@ -42,37 +44,30 @@ DEFAULT_TILES = TileConfig()
 if triton is not None:
 
     @triton.jit
-    def _store_pair(desc, off_m, col, first, second, HALF: tl.constexpr):
-        desc.store([off_m, col], first.to(desc.dtype))
-        desc.store([off_m, col + HALF], second.to(desc.dtype))
-
-    @triton.jit
-    def _store_head(x, q_desc, k_desc, v_desc, scales, cos, sin, part, head, off_m, M, T, eps,
+    def _store_head(x, out_desc, scales, cos, sin, part, head, off_m, M, T, eps,
                     BLOCK_M: tl.constexpr, HD: tl.constexpr, H: tl.constexpr):
-        """One head's (BLOCK_M, HD) tile of part 0 (q), 1 (k) or 2 (v): q and k normalized and rotated, v as is."""
+        """One head's (BLOCK_M, HD) tile of part 0 (q), 1 (k) or 2 (v): q and k normalized and rotated, v as is
+        (scale 1, no rotation). Branch-free on `part`: a branch inside the flattened tile loop fails Triton
+        3.6's loop fusion, and one 3-D descriptor over (q, k, v) takes the part as a coordinate."""
         HALF: tl.constexpr = HD // 2
         first, second = x.reshape(BLOCK_M, 2, HALF).permute(0, 2, 1).split()
+        rows = off_m + tl.arange(0, BLOCK_M)
+        normed = part < 2
+        normed_rows = rows < tl.where(normed, M, 0)  # rows of the matrix, in a tile of q or k
+        # rows past M were loaded as zeros by TMA: a finite scale, never stored
+        rms_scale = 1.0 / tl.sqrt((tl.sum(first * first, axis=1) + tl.sum(second * second, axis=1)) / HD + eps)
+        tl.store(scales + rows * (2 * H) + part * H + head, rms_scale, mask=normed_rows)
+        scale = tl.where(normed, rms_scale, 1.0)
+        n1, n2 = first * scale[:, None], second * scale[:, None]
+        at = (rows % T)[:, None] * HALF + tl.arange(0, HALF)[None, :]
+        c = tl.load(cos + at, mask=normed_rows[:, None], other=1.0)
+        s = tl.load(sin + at, mask=normed_rows[:, None], other=0.0)
         col = head * HD
-        if part == 2:
-            _store_pair(v_desc, off_m, col, first, second, HALF)
-        else:
-            rows = off_m + tl.arange(0, BLOCK_M)
-            valid = rows < M
-            # rows past M were loaded as zeros by TMA: a finite scale, never stored
-            scale = 1.0 / tl.sqrt((tl.sum(first * first, axis=1) + tl.sum(second * second, axis=1)) / HD + eps)
-            tl.store(scales + rows * (2 * H) + part * H + head, scale, mask=valid)
-            n1, n2 = first * scale[:, None], second * scale[:, None]
-            at = (rows % T)[:, None] * HALF + tl.arange(0, HALF)[None, :]
-            c = tl.load(cos + at, mask=valid[:, None], other=1.0)
-            s = tl.load(sin + at, mask=valid[:, None], other=0.0)
-            rotated_first, rotated_second = n1 * c + n2 * s, n2 * c - n1 * s
-            if part == 0:
-                _store_pair(q_desc, off_m, col, rotated_first, rotated_second, HALF)
-            else:
-                _store_pair(k_desc, off_m, col, rotated_first, rotated_second, HALF)
+        out_desc.store([part, off_m, col], (n1 * c + n2 * s).reshape(1, BLOCK_M, HALF).to(out_desc.dtype))
+        out_desc.store([part, off_m, col + HALF], (n2 * c - n1 * s).reshape(1, BLOCK_M, HALF).to(out_desc.dtype))
 
     @triton.jit
-    def _qkv_kernel(a_desc, b_desc, q_desc, k_desc, v_desc, scales, cos, sin, M, T, eps, K: tl.constexpr,
+    def _qkv_kernel(a_desc, b_desc, out_desc, scales, cos, sin, M, T, eps, K: tl.constexpr,
                     WIDTH: tl.constexpr, HD: tl.constexpr, HEADS_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr):
         H: tl.constexpr = WIDTH // HD
@@ -91,13 +86,10 @@ if triton is not None:
             head = (off_n % WIDTH) // HD
             if HEADS_PER_TILE == 2:
                 left, right = acc.reshape(BLOCK_M, 2, HD).permute(0, 2, 1).split()
-                _store_head(left, q_desc, k_desc, v_desc, scales, cos, sin, part, head, off_m, M, T, eps,
-                            BLOCK_M, HD, H)
-                _store_head(right, q_desc, k_desc, v_desc, scales, cos, sin, part, head + 1, off_m, M, T, eps,
-                            BLOCK_M, HD, H)
+                _store_head(left, out_desc, scales, cos, sin, part, head, off_m, M, T, eps, BLOCK_M, HD, H)
+                _store_head(right, out_desc, scales, cos, sin, part, head + 1, off_m, M, T, eps, BLOCK_M, HD, H)
             else:
-                _store_head(acc, q_desc, k_desc, v_desc, scales, cos, sin, part, head, off_m, M, T, eps,
-                            BLOCK_M, HD, H)
+                _store_head(acc, out_desc, scales, cos, sin, part, head, off_m, M, T, eps, BLOCK_M, HD, H)
 
 
 def supported(x: torch.Tensor, w: torch.Tensor, heads: int) -> bool:
@@ -122,10 +114,10 @@ def _tiles(config: TileConfig | None, heads: int) -> TileConfig:
 
 def qkv_norm_rotary(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, T: int,
                     eps: float, config: TileConfig | None = None, out=None):
-    """(q, k, v, scales) of x w^T, x (tokens, d) with tokens = batches of T, w (3 width, d): q and k (tokens, width)
-    RMS-normalized per head and rotated (cos, sin: (>= T, head_dim / 2), float32), v (tokens, width) as projected,
-    all in x's dtype; scales (tokens, 2, heads) float32, 1 / rms of each head of q and k. `out`: the four tensors
-    to write (a test poisons them)."""
+    """(qkv, scales) of x w^T, x (tokens, d) with tokens = batches of T, w (3 width, d): qkv (3, tokens, width) in
+    x's dtype holds q and k RMS-normalized per head and rotated (cos, sin: (>= T, head_dim / 2), float32), then v
+    as projected; scales (tokens, 2, heads) float32, 1 / rms of each head of q and k. `out`: the two tensors to
+    write (a test poisons them)."""
     cfg = _tiles(config, heads)
     if not _shapes_fit(x, w, heads) or x.dtype != w.dtype:
         raise ValueError(f"the kernel does not take x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype} "
@@ -135,17 +127,16 @@ def qkv_norm_rotary(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: to
     width = w.shape[0] // 3
     hd = width // heads
     if out is None:
-        out = (*(torch.empty((M, width), dtype=x.dtype, device=x.device) for _ in range(3)),
+        out = (torch.empty((3, M, width), dtype=x.dtype, device=x.device),
                torch.empty((M, 2, heads), dtype=torch.float32, device=x.device))
-    q, k, v, scales = out
-    half = [cfg.block_m, hd // 2]
+    qkv, scales = out
     a_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k])
     b_desc = TensorDescriptor.from_tensor(w, [cfg.heads_per_tile * hd, cfg.block_k])
-    q_desc, k_desc, v_desc = (TensorDescriptor.from_tensor(t, half) for t in (q, k, v))
+    out_desc = TensorDescriptor.from_tensor(qkv, [1, cfg.block_m, hd // 2])
     tiles = triton.cdiv(M, cfg.block_m) * (3 * heads // cfg.heads_per_tile)
     programs = _programs(x.device, tiles)
-    _qkv_kernel[(programs,)](a_desc, b_desc, q_desc, k_desc, v_desc, scales, cos.contiguous(), sin.contiguous(), M,
-                             T, eps, K=K, WIDTH=width, HD=hd, HEADS_PER_TILE=cfg.heads_per_tile,
-                             BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, PROGRAMS=programs,
-                             num_stages=cfg.stages, num_warps=cfg.warps)
-    return q, k, v, scales
+    _qkv_kernel[(programs,)](a_desc, b_desc, out_desc, scales, cos.contiguous(), sin.contiguous(), M, T, eps, K=K,
+                             WIDTH=width, HD=hd, HEADS_PER_TILE=cfg.heads_per_tile, BLOCK_M=cfg.block_m,
+                             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, PROGRAMS=programs, num_stages=cfg.stages,
+                             num_warps=cfg.warps)
+    return qkv, scales
