@@ -1,6 +1,7 @@
-"""The Q/K/V product with QK-norm and rotary in its epilogue (kernels/qkv_rotary.py, `model.qk=product`) against
-the step's forward with `model.qk=fused` (the cuBLAS product, then the one-pass QK-norm kernel) at the seed shape;
-alternated rounds in one process, each path's bf16 error against float64 first.
+"""The Q/K/V product with QK-norm and rotary in its epilogue (kernels/qkv_rotary.py, `model.qk=product`; on Hopper
+also the Gluon kernel, kernels/qkv_hopper.py, `model.qk_kernel=gluon`) against the step's forward with
+`model.qk=fused` (the cuBLAS product, then the one-pass QK-norm kernel) at the seed shape; alternated rounds in one
+process, each path's bf16 error against float64 first.
 
     python benchmarks/qkv_rotary.py --out DIR [--batch 64] [--seq 2048] [--heads 4] [--head-dim 128]
 
@@ -21,9 +22,11 @@ from fp8_head import checked_paths, error_text, round_summary  # noqa: E402
 from qk_norm import attention_problem  # noqa: E402
 
 from creditlab.kernels import qk_norm_rotary as qk_kernels  # noqa: E402
+from creditlab.kernels import qkv_hopper  # noqa: E402
 from creditlab.kernels import qkv_rotary  # noqa: E402
 from creditlab.kernels import relu2_matmul as rm  # noqa: E402
 from creditlab.model import Rotary, norm  # noqa: E402
+from creditlab.qk_norm import reference_forward  # noqa: E402
 from creditlab.runtime import write_benchmark  # noqa: E402
 
 TILES = [qkv_rotary.TileConfig(bm, heads, bk, group, stages, warps) for bm, heads, bk, group, stages, warps in
@@ -59,6 +62,15 @@ def main() -> int:
                       f"{default}",
                       lambda t=tiles: tuple(qkv_rotary.qkv_norm_rotary(x, w, rot.cos, rot.sin, H, T, 1e-6, t)[0].view(
                           3, B, T, H, hd)), want))
+    if qkv_hopper.supported(x, w, H):
+        for group, post_step in ((16, 3), (8, 3), (16, 6)):
+            chosen = (group, post_step) == (qkv_hopper.GROUP_M, qkv_hopper.POST_STEP)
+            default = " (model.qk_kernel=gluon)" if chosen else ""
+            paths.append((f"Gluon product + QK-norm epilogue: {qkv_hopper.BLOCK_M} x {2 * hd} x {qkv_hopper.BLOCK_K}, "
+                          f"groups of {group}, previous store waited for at K step {post_step}{default}",
+                          lambda g=group, p=post_step: tuple(qkv_hopper.qkv_norm_rotary(
+                              x, w, rot.cos, rot.sin, H, T, 1e-6, group_m=g, post_step=p)[0].view(3, B, T, H, hd)),
+                          want))
     times, errors, failures, _, base = checked_paths({"forward": paths})  # q, k and v each against float64
     flop = 2 * M * d * 3 * d
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": M, "width": d,
@@ -78,6 +90,19 @@ def main() -> int:
                      f"({lo:.3f} .. {hi:.3f}) | {error_text(errors[name])} |")
     for name, why in failures.items():
         lines.append(f"| {name} | failed: {why.strip().splitlines()[-1][:200]} | | | |")
+    # the row scales the backward reads, which the timed paths return beside q, k, v
+    want_scales = reference_forward(qkv64.view(B, T, 3 * d), rot64.cos, rot64.sin, H)[3].view(M, 2, H)
+    kernels = [("Triton", lambda: qkv_rotary.qkv_norm_rotary(x, w, rot.cos, rot.sin, H, T, 1e-6)[1])]
+    if qkv_hopper.supported(x, w, H):
+        kernels.append(("Gluon", lambda: qkv_hopper.qkv_norm_rotary(x, w, rot.cos, rot.sin, H, T, 1e-6)[1]))
+    result["scales_errors"] = {}
+    lines += ["", "Row scales (1 / rms of each head of q and k, float32), largest entry's difference from float64 "
+              "over the float64 result's largest entry:", ""]
+    for name, scales in kernels:
+        got = scales().double()
+        error = ((got - want_scales).abs().max() / want_scales.abs().max()).item()  # NaN stays NaN
+        result["scales_errors"][name] = error
+        lines.append(f"- {name} kernel: {error:.2e}")
     write_benchmark(out, "qkv_rotary", result, lines)
     return 0
 

@@ -62,6 +62,10 @@ class ModelConfig:
     # fused: one Triton pass forward and one backward computing the input gradient and the weight gradient's
     # partial sums (attention_gate.py)
     attn_gate: str = "plain"
+    # The Q/K/V product's kernel with model.qk=product on CUDA: triton (kernels/qkv_rotary.py); gluon: on compute
+    # capability 9, where the tokens are whole tiles, the Gluon kernel whose epilogue's store drains while the
+    # next tile's products run (kernels/qkv_hopper.py), elsewhere the same as triton
+    qk_kernel: str = "triton"
 
     @property
     def recompute_parts(self) -> frozenset[str]:
@@ -137,10 +141,10 @@ RECOMPUTE_PARTS = ("norm", "qk", "mlp")
 MLPS = ("fused", "plain")  # also the choices of model.embed, .attn_gate, credit.decode, .fit_rows and .products
 NORMS = ("plain", "keep_output")
 HEADS = ("plain", "fp8")
-MLP_DGRADS = ("triton", "gluon")
+MLP_DGRADS = ("triton", "gluon")  # also the choices of model.qk_kernel
 QKS = ("fused", "product", "plain")
 MODEL_CHOICES = {"mlp": MLPS, "qk": QKS, "norm": NORMS, "head": HEADS, "embed": MLPS, "mlp_dgrad": MLP_DGRADS,
-                 "attn_gate": MLPS}
+                 "attn_gate": MLPS, "qk_kernel": MLP_DGRADS}
 # (key, values, recompute part, what it keeps): with model.<key> one of <values> that part has nothing to recompute
 LEAN_MODULES = (("mlp", ("fused",), "mlp", "the fused MLP keeps only ReLU^2's output"),
                 ("qk", ("fused", "product"), "qk", "the fused QK-norm keeps only what attention keeps"),

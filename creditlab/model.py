@@ -144,7 +144,7 @@ class Attention(nn.Module):
         # fused: QK-norm and rotary in one pass each way over the product's output; product: the forward pass in
         # the product's epilogue, the output never written (qk_norm.py); plain: op by op
         self.qk = cfg.qk
-        self.qk_epilogue = QKEpilogue(self.rotary, self.heads)
+        self.qk_epilogue = QKEpilogue(self.rotary, self.heads, cfg.qk_kernel)
 
     def epilogue(self) -> QKEpilogue | None:
         """What the Q/K/V product applies in its epilogue (model.qk=product), for the credit context's product."""

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -352,6 +353,81 @@ def test_the_gluon_mlp_kernels_compile_for_hopper_within_their_shared_memory(exp
         assert "shared" in str(error).lower() or "resource" in str(error).lower(), error
     else:
         assert too_big > 227 * 1024, too_big
+
+
+def _compile_gluon_qkv(stages: int):
+    """The Gluon Q/K/V product with QK-norm and rotary in its epilogue (kernels/qkv_hopper.py) through Triton's
+    compiler to a cubin for sm_90 at the seed shape's constants (512 -> 3 x 512, 4 heads of 128), on the CPU."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compile as triton_compile
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from creditlab.kernels import qkv_hopper
+
+    def descriptor(block):
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+        return f"tensordesc<bf16[{', '.join(map(str, block))}],{layout!r}>"
+
+    bm, bk = qkv_hopper.BLOCK_M, qkv_hopper.BLOCK_K
+    constants = {"WIDTH": 512, "HD": 128, "K_STEPS": 512 // bk, "STAGES": stages, "GROUP": qkv_hopper.GROUP_M,
+                 "POST_STEP": qkv_hopper.POST_STEP, "num_warps": qkv_hopper.WARPS}
+    signature = {"a_desc": descriptor([bm, bk]), "b_desc": descriptor([256, bk]), "out_desc": descriptor([bm, 256]),
+                 "scales": "*fp32", "cos": "*fp32", "sin": "*fp32", "M": "i32", "T": "i32", "eps": "fp32"}
+    source = GluonASTSource(fn=qkv_hopper._qkv_kernel, signature=signature | {k: "constexpr" for k in constants},
+                            constexprs=constants)
+    try:
+        return triton_compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": qkv_hopper.WARPS})
+    except RuntimeError as error:  # no ptxas in this Triton install
+        if "ptxas" in str(error):
+            pytest.skip(str(error))
+        raise
+
+
+@pytest.mark.slow
+def test_the_gluon_qkv_kernel_compiles_for_hopper_within_its_shared_memory():
+    # as the Gluon MLP kernels: the arithmetic (q, k, v and the row scales against float64) is checked on the GPU
+    # by benchmarks/qkv_rotary.py before it is timed
+    compiled = _compile_gluon_qkv(stages=3)
+    ptx = compiled.asm["ptx"]
+    assert compiled.asm["cubin"] and compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    try:  # the check can fail: a fourth stage of operands (48 KB more) does not fit
+        too_big = _compile_gluon_qkv(stages=4).metadata.shared
+    except Exception as error:  # the compiler refuses the allocation itself
+        assert "shared" in str(error).lower() or "resource" in str(error).lower(), error
+    else:
+        assert too_big > 227 * 1024, too_big
+
+
+def test_model_qk_kernel_gluon_reaches_the_gluon_kernel_where_it_takes_the_operands(monkeypatch):
+    """model.qk_kernel=gluon sends the product to kernels/qkv_hopper.py where that kernel takes the operands, and
+    model.qk_kernel=triton never does; on this CPU the Gluon kernel takes nothing."""
+    from creditlab import qk_norm
+    from creditlab.kernels import qkv_hopper
+    from creditlab.model import Rotary
+
+    g = torch.Generator().manual_seed(0)
+    B, T, heads, hd, d = 2, 8, 2, 16, 24
+    n, w = torch.randn(B, T, d, generator=g), torch.randn(3 * heads * hd, d, generator=g)
+    rot = Rotary(hd, T, 10_000.0)
+    assert not qkv_hopper.supported(n.view(B * T, d).bfloat16(), w.bfloat16(), heads)  # no Hopper GPU here
+    want = qk_norm.product_norm_rotary(n, w, rot.cos, rot.sin, heads, "gluon")  # the torch arithmetic
+    calls = []
+
+    def through_torch(x, w, cos, sin, heads, T, eps):  # the kernel's contract, by the torch arithmetic
+        calls.append(x.shape)
+        q, k, v, scales = qk_norm.reference_forward((x @ w.t()).view(-1, T, w.shape[0]), cos, sin, heads, eps)
+        return torch.stack((q, k, v)).view(3, x.shape[0], -1), scales.reshape(x.shape[0], 2, heads)
+
+    monkeypatch.setattr(qkv_hopper, "supported", lambda x, w, heads: True)
+    monkeypatch.setattr(qkv_hopper, "qkv_norm_rotary", through_torch)
+    qk_norm.product_norm_rotary(n, w, rot.cos, rot.sin, heads, "triton")
+    assert calls == []
+    got = qk_norm.product_norm_rotary(n, w, rot.cos, rot.sin, heads, "gluon")
+    assert calls == [(B * T, d)]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize("case", ["embedding_zipf", "embedding_one_token", "embedding_distinct", "embedding_few_tokens"])

@@ -64,63 +64,89 @@ if gluon is not None:
             _tma_load(b_desc, [off_n, (step % K_STEPS) * BK], bar, b_bufs.index(stage), pred=live)
 
     @gluon.jit
-    def _mlp_kernel(a_desc, b_desc, post_desc, c_desc, M, N, K_STEPS: gl.constexpr, B_IS_KN: gl.constexpr,
-                    EPILOGUE: gl.constexpr, POST_STEP: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
-                    num_warps: gl.constexpr):
-        BM: gl.constexpr = c_desc.block_type.shape[0]
-        BN: gl.constexpr = c_desc.block_type.shape[1]
+    def _tile_products(tile, first, programs, tiles_m, tiles_n, total, p_m, p_n, a_desc, b_desc, a_bufs, b_bufs,
+                       ready, post_desc, post_ready, tile_buf, acc_layout: gl.constexpr, K_STEPS: gl.constexpr,
+                       B_IS_KN: gl.constexpr, LOAD_POST: gl.constexpr, POST_STEP: gl.constexpr,
+                       STAGES: gl.constexpr, GROUP: gl.constexpr):
+        """A program's `tile`-th output tile, accumulated in float32: (acc, off_m, off_n, p_m, p_n), p_m and p_n
+        the offsets of the tile the operand loads have reached. At K step POST_STEP the previous tile's result
+        has left the tile buffer (its store is waited for) and, with LOAD_POST, this tile's post tile is
+        requested into it."""
+        BM: gl.constexpr = tile_buf.shape[0]
+        BN: gl.constexpr = tile_buf.shape[1]
+        off_m, off_n = _tile_offsets(tile * K_STEPS, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS, GROUP)
+        # The K loop is unrolled and the accumulator starts afresh each tile, so no product's result crosses
+        # a loop edge while in flight (where ptxas would wait for it).
+        acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
+        for k in gl.static_range(K_STEPS):
+            step = tile * K_STEPS + k
+            stage = step % STAGES
+            mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+            b = b_bufs.index(stage) if B_IS_KN else b_bufs.index(stage).permute((1, 0))
+            acc = warpgroup_mma(a_bufs.index(stage), b, acc, use_acc=k > 0, is_async=True)
+            # the step before has finished reading its stage, which the load below refills
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            if (k + STAGES - 1) % K_STEPS == 0:
+                p_m, p_n = _tile_offsets(step + STAGES - 1, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS,
+                                         GROUP)
+            _issue_operands(step + STAGES - 1, total, p_m, p_n, a_desc, b_desc, a_bufs, b_bufs, ready, K_STEPS,
+                            STAGES, B_IS_KN)
+            if k == POST_STEP:
+                tma.store_wait(pendings=0)
+                if LOAD_POST:
+                    mbarrier.expect(post_ready, post_desc.block_type.nbytes)
+                    _tma_load(post_desc, [off_m, off_n], post_ready, tile_buf)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        return acc, off_m, off_n, p_m, p_n
+
+    @gluon.jit
+    def _start_loads(a_desc, b_desc, tile_buf, M, N, K_STEPS: gl.constexpr, B_IS_KN: gl.constexpr,
+                     STAGES: gl.constexpr, GROUP: gl.constexpr):
+        """A program's operand buffers and barriers, with the first STAGES - 1 steps' loads issued: (a_bufs,
+        b_bufs, ready, first, programs, tiles_m, tiles_n, my_tiles, total, p_m, p_n) for _tile_products. The
+        loads run STAGES - 1 steps ahead of the products, into the next tile near a tile's end; a tile's offsets
+        are worked out once, when the loads (then the products) reach its first step."""
+        BM: gl.constexpr = tile_buf.shape[0]
+        BN: gl.constexpr = tile_buf.shape[1]
         BK: gl.constexpr = a_desc.block_type.shape[1]
-        dtype: gl.constexpr = a_desc.dtype
-        # one warpgroup instruction per 16 rows a warp, the whole tile's width
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                             instr_shape=[16, BN, 16])
-        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-        tile_buf = gl.allocate_shared_memory(dtype, [BM, BN], c_desc.layout)  # the post tile in, the result out
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        post_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(post_ready, count=1)
-
         tiles_m = gl.cdiv(M, BM)
         tiles_n = gl.cdiv(N, BN)
         first = gl.program_id(0)
         programs = gl.num_programs(0)
         my_tiles = gl.cdiv(tiles_m * tiles_n - first, programs)
         total = my_tiles * K_STEPS
-        # The loads run STAGES - 1 steps ahead of the products, into the next tile near a tile's end; a tile's
-        # offsets are worked out once, when the loads (then the products) reach its first step.
         for early in gl.static_range(STAGES - 1):
             p_m, p_n = _tile_offsets(early, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS, GROUP)
             _issue_operands(early, total, p_m, p_n, a_desc, b_desc, a_bufs, b_bufs, ready, K_STEPS, STAGES,
                             B_IS_KN)
         p_m, p_n = _tile_offsets(STAGES - 2, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS, GROUP)
+        return a_bufs, b_bufs, ready, first, programs, tiles_m, tiles_n, my_tiles, total, p_m, p_n
+
+    @gluon.jit
+    def _mlp_kernel(a_desc, b_desc, post_desc, c_desc, M, N, K_STEPS: gl.constexpr, B_IS_KN: gl.constexpr,
+                    EPILOGUE: gl.constexpr, POST_STEP: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
+                    num_warps: gl.constexpr):
+        BM: gl.constexpr = c_desc.block_type.shape[0]
+        BN: gl.constexpr = c_desc.block_type.shape[1]
+        dtype: gl.constexpr = a_desc.dtype
+        # one warpgroup instruction per 16 rows a warp, the whole tile's width
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                             instr_shape=[16, BN, 16])
+        tile_buf = gl.allocate_shared_memory(dtype, [BM, BN], c_desc.layout)  # the post tile in, the result out
+        post_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(post_ready, count=1)
+        a_bufs, b_bufs, ready, first, programs, tiles_m, tiles_n, my_tiles, total, p_m, p_n = _start_loads(
+            a_desc, b_desc, tile_buf, M, N, K_STEPS, B_IS_KN, STAGES, GROUP)
         for tile in range(my_tiles):
-            off_m, off_n = _tile_offsets(tile * K_STEPS, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS, GROUP)
-            # The K loop is unrolled and the accumulator starts afresh each tile, so no product's result crosses
-            # a loop edge while in flight (where ptxas would wait for it).
-            acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
-            for k in gl.static_range(K_STEPS):
-                step = tile * K_STEPS + k
-                stage = step % STAGES
-                mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
-                b = b_bufs.index(stage) if B_IS_KN else b_bufs.index(stage).permute((1, 0))
-                acc = warpgroup_mma(a_bufs.index(stage), b, acc, use_acc=k > 0, is_async=True)
-                # the step before has finished reading its stage, which the load below refills
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-                if (k + STAGES - 1) % K_STEPS == 0:
-                    p_m, p_n = _tile_offsets(step + STAGES - 1, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS,
-                                             GROUP)
-                _issue_operands(step + STAGES - 1, total, p_m, p_n, a_desc, b_desc, a_bufs, b_bufs, ready, K_STEPS,
-                                STAGES, B_IS_KN)
-                if k == POST_STEP:
-                    # the previous tile's result has left the tile buffer: bring this tile's post into it
-                    tma.store_wait(pendings=0)
-                    if EPILOGUE == 2:
-                        mbarrier.expect(post_ready, post_desc.block_type.nbytes)
-                        _tma_load(post_desc, [off_m, off_n], post_ready, tile_buf)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            acc, off_m, off_n, p_m, p_n = _tile_products(
+                tile, first, programs, tiles_m, tiles_n, total, p_m, p_n, a_desc, b_desc, a_bufs, b_bufs, ready,
+                post_desc, post_ready, tile_buf, acc_layout, K_STEPS, B_IS_KN, EPILOGUE == 2, POST_STEP, STAGES,
+                GROUP)
             if EPILOGUE == 2:
                 mbarrier.wait(post_ready, tile & 1)
                 post = tile_buf.load(acc_layout).to(gl.float32)
