@@ -75,8 +75,10 @@ if gluon is not None:
                 n1, n2 = first_half * scale, second_half * scale
                 lo.store((n1 * c + n2 * s).to(dtype))
                 hi.store((n2 * c - n1 * s).to(dtype))
-            _barrier()
+            # every thread's writes made visible to the TMA engine, then all of them done before one thread
+            # issues the store (a barrier before the fence would let the store overtake a late fence)
             fence_async_shared()
+            _barrier()
             _tma_store(out_desc, [part * M + off_m, off_n % WIDTH], tile_buf)
         tma.store_wait(pendings=0)
         for i in gl.static_range(STAGES):
