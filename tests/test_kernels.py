@@ -305,99 +305,87 @@ def test_each_kernel_compiles_for_hopper(name):
     assert compiled.asm["cubin"] and compiled.metadata.shared <= 227 * 1024
 
 
-def _compile_gluon_mlp(stages: int, expand: bool = False):
-    """One of the fused MLP's Gluon kernels (the derivative product, or with `expand` the expansion) through
-    Triton's compiler to a cubin for sm_90 at the seed shape's constants (131,072 tokens, 512 -> 2,048), on the
-    CPU."""
+def _gluon_descriptor(block):
+    """A bf16 TMA descriptor's type, as the launch's host-built descriptor with the default shared layout gives it."""
+    from triton.experimental.gluon import language as gl
+
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    return f"tensordesc<bf16[{', '.join(map(str, block))}],{layout!r}>"
+
+
+def _compile_gluon(kernel, signature: dict, constants: dict, warps: int):
+    """A Gluon kernel through Triton's compiler to a cubin for sm_90, on the CPU."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as triton_compile
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from creditlab.kernels import relu2_hopper as hopper
+    source = GluonASTSource(fn=kernel, signature=signature | {k: "constexpr" for k in constants},
+                            constexprs=constants)
+    try:
+        return triton_compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    except RuntimeError as error:  # no ptxas in this Triton install
+        if "ptxas" in str(error):
+            pytest.skip(str(error))
+        raise
 
-    def descriptor(block):
-        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-        return f"tensordesc<bf16[{', '.join(map(str, block))}],{layout!r}>"
+
+def _compile_gluon_mlp(stages: int, expand: bool = False):
+    """One of the fused MLP's Gluon kernels (the derivative product, or with `expand` the expansion) at the seed
+    shape's constants (131,072 tokens, 512 -> 2,048)."""
+    from creditlab.kernels import relu2_hopper as hopper
 
     bm, bn, bk = hopper.BLOCK_M, hopper.BLOCK_N, hopper.BLOCK_K
     constants = {"K_STEPS": 512 // bk, "B_IS_KN": not expand,
                  "EPILOGUE": hopper.EPILOGUE_RELU2 if expand else hopper.EPILOGUE_RELU2_GRAD, "POST_STEP": 3,
                  "STAGES": stages, "GROUP": hopper.GROUP_M, "num_warps": hopper.WARPS}
-    signature = {"a_desc": descriptor([bm, bk]), "b_desc": descriptor([bn, bk] if expand else [bk, bn]),
-                 "post_desc": descriptor([bm, bn]), "c_desc": descriptor([bm, bn]), "M": "i32", "N": "i32"}
-    source = GluonASTSource(fn=hopper._mlp_kernel, signature=signature | {k: "constexpr" for k in constants},
-                            constexprs=constants)
+    signature = {"a_desc": _gluon_descriptor([bm, bk]), "b_desc": _gluon_descriptor([bn, bk] if expand else [bk, bn]),
+                 "post_desc": _gluon_descriptor([bm, bn]), "c_desc": _gluon_descriptor([bm, bn]), "M": "i32",
+                 "N": "i32"}
+    return _compile_gluon(hopper._mlp_kernel, signature, constants, hopper.WARPS)
+
+
+def _compile_gluon_qkv(stages: int):
+    """The Gluon Q/K/V product with QK-norm and rotary in its epilogue (kernels/qkv_hopper.py) at the seed shape's
+    constants (512 -> 3 x 512, 4 heads of 128)."""
+    from creditlab.kernels import qkv_hopper
+
+    bm, bk = qkv_hopper.BLOCK_M, qkv_hopper.BLOCK_K
+    constants = {"WIDTH": 512, "HD": 128, "K_STEPS": 512 // bk, "STAGES": stages, "GROUP": qkv_hopper.GROUP_M,
+                 "POST_STEP": qkv_hopper.POST_STEP, "num_warps": qkv_hopper.WARPS}
+    signature = {"a_desc": _gluon_descriptor([bm, bk]), "b_desc": _gluon_descriptor([256, bk]),
+                 "out_desc": _gluon_descriptor([bm, 256]), "scales": "*fp32", "cos": "*fp32", "sin": "*fp32",
+                 "M": "i32", "T": "i32", "eps": "fp32"}
+    return _compile_gluon(qkv_hopper._qkv_kernel, signature, constants, qkv_hopper.WARPS)
+
+
+def _fits_hopper_and_a_fourth_stage_does_not(compile_at_stages):
+    """The kernel compiled at 3 stages issues warpgroup products and TMA copies within the multiprocessor's 227 KB
+    of shared memory; and the check can fail: at 4 stages (48 KB more operands) it does not fit."""
+    compiled = compile_at_stages(3)
+    ptx = compiled.asm["ptx"]
+    assert compiled.asm["cubin"] and compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
     try:
-        return triton_compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": hopper.WARPS})
-    except RuntimeError as error:  # no ptxas in this Triton install
-        if "ptxas" in str(error):
-            pytest.skip(str(error))
-        raise
+        too_big = compile_at_stages(4).metadata.shared
+    except Exception as error:  # the compiler refuses the allocation itself
+        assert "shared" in str(error).lower() or "resource" in str(error).lower(), error
+    else:
+        assert too_big > 227 * 1024, too_big
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("expand", [False, True])
 def test_the_gluon_mlp_kernels_compile_for_hopper_within_their_shared_memory(expand):
     # Gluon has no interpreter: the kernels' arithmetic is checked against float64 on the GPU
-    # (benchmarks/relu2_hopper.py); here, that each compiles, issues warpgroup products and TMA copies, and fits
-    # the multiprocessor's 227 KB
-    compiled = _compile_gluon_mlp(stages=3, expand=expand)
-    ptx = compiled.asm["ptx"]
-    assert compiled.asm["cubin"] and compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
-    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
-    # the check can fail: a fourth stage of operands (48 KB more) does not fit
-    try:
-        too_big = _compile_gluon_mlp(stages=4, expand=expand).metadata.shared
-    except Exception as error:  # the compiler refuses the allocation itself
-        assert "shared" in str(error).lower() or "resource" in str(error).lower(), error
-    else:
-        assert too_big > 227 * 1024, too_big
-
-
-def _compile_gluon_qkv(stages: int):
-    """The Gluon Q/K/V product with QK-norm and rotary in its epilogue (kernels/qkv_hopper.py) through Triton's
-    compiler to a cubin for sm_90 at the seed shape's constants (512 -> 3 x 512, 4 heads of 128), on the CPU."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import compile as triton_compile
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from creditlab.kernels import qkv_hopper
-
-    def descriptor(block):
-        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-        return f"tensordesc<bf16[{', '.join(map(str, block))}],{layout!r}>"
-
-    bm, bk = qkv_hopper.BLOCK_M, qkv_hopper.BLOCK_K
-    constants = {"WIDTH": 512, "HD": 128, "K_STEPS": 512 // bk, "STAGES": stages, "GROUP": qkv_hopper.GROUP_M,
-                 "POST_STEP": qkv_hopper.POST_STEP, "num_warps": qkv_hopper.WARPS}
-    signature = {"a_desc": descriptor([bm, bk]), "b_desc": descriptor([256, bk]), "out_desc": descriptor([bm, 256]),
-                 "scales": "*fp32", "cos": "*fp32", "sin": "*fp32", "M": "i32", "T": "i32", "eps": "fp32"}
-    source = GluonASTSource(fn=qkv_hopper._qkv_kernel, signature=signature | {k: "constexpr" for k in constants},
-                            constexprs=constants)
-    try:
-        return triton_compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": qkv_hopper.WARPS})
-    except RuntimeError as error:  # no ptxas in this Triton install
-        if "ptxas" in str(error):
-            pytest.skip(str(error))
-        raise
+    # (benchmarks/relu2_hopper.py)
+    _fits_hopper_and_a_fourth_stage_does_not(lambda stages: _compile_gluon_mlp(stages, expand))
 
 
 @pytest.mark.slow
 def test_the_gluon_qkv_kernel_compiles_for_hopper_within_its_shared_memory():
-    # as the Gluon MLP kernels: the arithmetic (q, k, v and the row scales against float64) is checked on the GPU
-    # by benchmarks/qkv_rotary.py before it is timed
-    compiled = _compile_gluon_qkv(stages=3)
-    ptx = compiled.asm["ptx"]
-    assert compiled.asm["cubin"] and compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
-    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
-    try:  # the check can fail: a fourth stage of operands (48 KB more) does not fit
-        too_big = _compile_gluon_qkv(stages=4).metadata.shared
-    except Exception as error:  # the compiler refuses the allocation itself
-        assert "shared" in str(error).lower() or "resource" in str(error).lower(), error
-    else:
-        assert too_big > 227 * 1024, too_big
+    # q, k, v and the row scales are checked against float64 on the GPU by benchmarks/qkv_rotary.py before it
+    # times the kernel
+    _fits_hopper_and_a_fourth_stage_does_not(_compile_gluon_qkv)
 
 
 def test_model_qk_kernel_gluon_reaches_the_gluon_kernel_where_it_takes_the_operands(monkeypatch):

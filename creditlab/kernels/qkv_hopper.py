@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from creditlab.kernels import relu2_hopper
+from creditlab.kernels import qkv_rotary, relu2_hopper
 from creditlab.kernels._triton import multiprocessors, triton
 from creditlab.kernels.relu2_hopper import gluon
 
@@ -101,15 +101,8 @@ def qkv_norm_rotary(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: to
                     eps: float, group_m: int = GROUP_M, stages: int = STAGES, post_step: int = POST_STEP):
     """qkv_rotary.qkv_norm_rotary's (qkv (3, tokens, width), scales (tokens, 2, heads)) through the Gluon kernel;
     operands as `supported` takes them. Keywords: the tiling, as relu2_hopper's."""
-    if not supported(x, w, heads):
-        raise ValueError(f"the Gluon kernel does not take x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} "
-                         f"{w.dtype} with {heads} heads on {x.device}")
-    x, w = x.contiguous(), w.contiguous()
-    M, K = x.shape
-    width = w.shape[0] // 3
-    hd = width // heads
-    qkv = torch.empty((3, M, width), dtype=x.dtype, device=x.device)
-    scales = torch.empty((M, 2, heads), dtype=torch.float32, device=x.device)
+    x, w, M, K, width, hd = qkv_rotary.checked_operands(x, w, heads, supported(x, w, heads), "Gluon kernel")
+    qkv, scales = qkv_rotary.empty_outputs(x, width, heads)
     block_n = 2 * hd
     out_desc = relu2_hopper._descriptor(qkv.view(3 * M, width), [BLOCK_M, block_n])
     tiles = triton.cdiv(M, BLOCK_M) * (3 * width // block_n)

@@ -106,6 +106,23 @@ def _shapes_fit(x: torch.Tensor, w: torch.Tensor, heads: int) -> bool:
     return rem == 0 and hd >= 16 and hd & (hd - 1) == 0 and x.shape[1] == w.shape[1] and x.shape[1] % 8 == 0
 
 
+def checked_operands(x: torch.Tensor, w: torch.Tensor, heads: int, takes: bool, kernel: str):
+    """(x, w, tokens, d, width, head_dim), x and w contiguous, where the kernel `takes` them; else one line naming
+    what it does not take."""
+    if not takes:
+        raise ValueError(f"the {kernel} does not take x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype} "
+                         f"with {heads} heads on {x.device}")
+    width = w.shape[0] // 3
+    return x.contiguous(), w.contiguous(), x.shape[0], x.shape[1], width, width // heads
+
+
+def empty_outputs(x: torch.Tensor, width: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the kernels (this one and qkv_hopper's) write for x (tokens, d): qkv (3, tokens, width) in x's dtype
+    and the row scales (tokens, 2, heads) in float32."""
+    return (torch.empty((3, x.shape[0], width), dtype=x.dtype, device=x.device),
+            torch.empty((x.shape[0], 2, heads), dtype=torch.float32, device=x.device))
+
+
 def _tiles(config: TileConfig | None, heads: int) -> TileConfig:
     """The tiles asked for, one head a tile where two do not divide the heads."""
     cfg = config or DEFAULT_TILES
@@ -119,17 +136,8 @@ def qkv_norm_rotary(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: to
     as projected; scales (tokens, 2, heads) float32, 1 / rms of each head of q and k. `out`: the two tensors to
     write (a test poisons them)."""
     cfg = _tiles(config, heads)
-    if not _shapes_fit(x, w, heads) or x.dtype != w.dtype:
-        raise ValueError(f"the kernel does not take x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype} "
-                         f"with {heads} heads")
-    x, w = x.contiguous(), w.contiguous()
-    M, K = x.shape
-    width = w.shape[0] // 3
-    hd = width // heads
-    if out is None:
-        out = (torch.empty((3, M, width), dtype=x.dtype, device=x.device),
-               torch.empty((M, 2, heads), dtype=torch.float32, device=x.device))
-    qkv, scales = out
+    x, w, M, K, width, hd = checked_operands(x, w, heads, _shapes_fit(x, w, heads) and x.dtype == w.dtype, "kernel")
+    qkv, scales = out if out is not None else empty_outputs(x, width, heads)
     a_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k])
     b_desc = TensorDescriptor.from_tensor(w, [cfg.heads_per_tile * hd, cfg.block_k])
     out_desc = TensorDescriptor.from_tensor(qkv, [1, cfg.block_m, hd // 2])
