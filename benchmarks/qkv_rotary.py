@@ -1,5 +1,5 @@
 """The Q/K/V product with QK-norm and rotary in its epilogue (kernels/qkv_rotary.py, `model.qk=product`; on Hopper
-also the Gluon kernel, kernels/qkv_hopper.py, `model.qk_kernel=gluon`) against the step's forward with
+also the Gluon kernel, kernels/qkv_hopper.py, `model.qk_kernel=gluon`, at four tilings) against the step's forward with
 `model.qk=fused` (the cuBLAS product, then the one-pass QK-norm kernel) at the seed shape; alternated rounds in one
 process, each path's bf16 error against float64 first.
 
@@ -63,14 +63,15 @@ def main() -> int:
                       lambda t=tiles: tuple(qkv_rotary.qkv_norm_rotary(x, w, rot.cos, rot.sin, H, T, 1e-6, t)[0].view(
                           3, B, T, H, hd)), want))
     if qkv_hopper.supported(x, w, H):
-        for group, post_step in ((16, 3), (8, 3), (16, 6)):
-            chosen = (group, post_step) == (qkv_hopper.GROUP_M, qkv_hopper.POST_STEP)
-            default = " (model.qk_kernel=gluon)" if chosen else ""
-            paths.append((f"Gluon product + QK-norm epilogue: {qkv_hopper.BLOCK_M} x {2 * hd} x {qkv_hopper.BLOCK_K}, "
-                          f"groups of {group}, previous store waited for at K step {post_step}{default}",
-                          lambda g=group, p=post_step: tuple(qkv_hopper.qkv_norm_rotary(
-                              x, w, rot.cos, rot.sin, H, T, 1e-6, group_m=g, post_step=p)[0].view(3, B, T, H, hd)),
-                          want))
+        for heads, group, stages, post_step in ((2, 16, 3, 3), (2, 8, 3, 3), (2, 16, 3, 6), (1, 16, 4, 3)):
+            tiling = dict(heads_per_tile=heads, group_m=group, stages=stages, post_step=post_step)
+            chosen = tiling == dict(heads_per_tile=qkv_hopper.HEADS_PER_TILE, group_m=qkv_hopper.GROUP_M,
+                                    stages=qkv_hopper.STAGES, post_step=qkv_hopper.POST_STEP)
+            paths.append((f"Gluon product + QK-norm epilogue: {qkv_hopper.BLOCK_M} x {heads * hd} x "
+                          f"{qkv_hopper.BLOCK_K}, groups of {group}, {stages} stages, previous store waited for at K "
+                          f"step {post_step}{' (model.qk_kernel=gluon)' if chosen else ''}",
+                          lambda t=tiling: tuple(qkv_hopper.qkv_norm_rotary(
+                              x, w, rot.cos, rot.sin, H, T, 1e-6, **t)[0].view(3, B, T, H, hd)), want))
     times, errors, failures, _, base = checked_paths({"forward": paths})  # q, k and v each against float64
     flop = 2 * M * d * 3 * d
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": M, "width": d,

@@ -20,7 +20,7 @@ from creditlab.kernels import qkv_rotary, relu2_hopper
 from creditlab.kernels._triton import multiprocessors, triton
 from creditlab.kernels.relu2_hopper import gluon
 
-BLOCK_M, BLOCK_K, STAGES, WARPS, GROUP_M, POST_STEP = 128, 64, 3, 8, 16, 3
+BLOCK_M, BLOCK_K, STAGES, WARPS, GROUP_M, POST_STEP, HEADS_PER_TILE = 128, 64, 3, 8, 16, 3, 2
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
@@ -98,12 +98,14 @@ def supported(x: torch.Tensor, w: torch.Tensor, heads: int) -> bool:
 
 
 def qkv_norm_rotary(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, T: int,
-                    eps: float, group_m: int = GROUP_M, stages: int = STAGES, post_step: int = POST_STEP):
+                    eps: float, heads_per_tile: int = HEADS_PER_TILE, group_m: int = GROUP_M, stages: int = STAGES,
+                    post_step: int = POST_STEP):
     """qkv_rotary.qkv_norm_rotary's (qkv (3, tokens, width), scales (tokens, 2, heads)) through the Gluon kernel;
-    operands as `supported` takes them. Keywords: the tiling, as relu2_hopper's."""
+    operands as `supported` takes them. Keywords: the tiling (a tile one or two heads wide; the rest as
+    relu2_hopper's)."""
     x, w, M, K, width, hd = qkv_rotary.checked_operands(x, w, heads, supported(x, w, heads), "Gluon kernel")
     qkv, scales = qkv_rotary.empty_outputs(x, width, heads)
-    block_n = 2 * hd
+    block_n = heads_per_tile * hd
     out_desc = relu2_hopper._descriptor(qkv.view(3 * M, width), [BLOCK_M, block_n])
     tiles = triton.cdiv(M, BLOCK_M) * (3 * width // block_n)
     grid = (min(tiles, multiprocessors(x.device.index or 0)),)
