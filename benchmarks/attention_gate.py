@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fp8_head import checked_paths, error_text, round_summary  # noqa: E402
+from fp8_head import checked_paths, error_text, failure_rows, ratio_text, round_summary  # noqa: E402
 from gate_decode import CALLS, graphed  # noqa: E402
 
 from creditlab.kernels import thin_linear  # noqa: E402
@@ -67,12 +67,9 @@ def main() -> int:
     for name, ms in times.items():
         group = group_of[name]
         r = round_summary([t / CALLS for t in ms], [t / CALLS for t in times[base[group]]])
-        median, (lo, hi) = r["median_ms"], r["ratio_range"]
         result["paths"][name] = {"direction": group} | r | {"errors": errors[name]}
-        lines.append(f"| {group}: {name} | {median * 1e3:.1f} | {r['ratio_per_round']:.3f} ({lo:.3f} .. {hi:.3f}) | "
-                     f"{error_text(errors[name])} |")
-    for name, why in failures.items():
-        lines.append(f"| {name} | failed: {why.strip().splitlines()[-1][:200]} | | |")
+        lines.append(f"| {group}: {name} | {r['median_ms'] * 1e3:.1f} | {ratio_text(r)} | {error_text(errors[name])} |")
+    lines += failure_rows(failures, 4)
     write_benchmark(out, "attention_gate", result, lines)
     return 0
 

@@ -123,6 +123,19 @@ def error_text(error) -> str:
     return ", ".join(f"{e:.1e}" for e in error) if isinstance(error, list) else f"{error:.1e}"
 
 
+def ratio_text(r: dict) -> str:
+    """A round_summary's ratio per round with its range, as the tables print it."""
+    lo, hi = r["ratio_range"]
+    return f"{r['ratio_per_round']:.3f} ({lo:.3f} .. {hi:.3f})"
+
+
+def failure_rows(failures: dict, columns: int) -> list[str]:
+    """One table row of `columns` columns for each path that failed its check or its run, with the error's last
+    line."""
+    return [f"| {name} | failed: {why.strip().splitlines()[-1][:200]} |" + " |" * (columns - 2)
+            for name, why in failures.items()]
+
+
 def round_summary(ms: list[float], base_ms: list[float]) -> dict:
     """A path's times and their ratios over its group's base, round by round."""
     ratios = [t / b for t, b in zip(ms, base_ms)]

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from creditlab.kernels import gate_decode as gd  # noqa: E402
 from creditlab.runtime import write_benchmark  # noqa: E402
 from fit_rows import branch_problem  # noqa: E402
-from fp8_head import checked_paths, error_text, round_summary  # noqa: E402
+from fp8_head import checked_paths, error_text, failure_rows, ratio_text, round_summary  # noqa: E402
 
 CALLS = 20  # calls per graph replay
 
@@ -98,13 +98,12 @@ def main() -> int:
     for group in groups:
         for name in (k for k in times if group_of[k] == group):
             r = round_summary(times[name], times[base[group]])
-            median, (lo, hi) = r["median_ms"], r["ratio_range"]
+            median = r["median_ms"]
             result["paths"][name] = {"product": group} | r | {"error": errors[name],
                                                               "tb_per_s": moved[group] / median / 1e9}
             lines.append(f"| {group}: {name} | {median * 1e3:.1f} | {moved[group] / median / 1e9:.2f} | "
-                         f"{r['ratio_per_round']:.3f} ({lo:.3f} .. {hi:.3f}) | {error_text(errors[name])} |")
-    for name, why in failures.items():
-        lines.append(f"| {name} | failed: {why.strip().splitlines()[-1][:200]} | | | |")
+                         f"{ratio_text(r)} | {error_text(errors[name])} |")
+    lines += failure_rows(failures, 5)
     write_benchmark(out, "gate_decode", result, lines)
     return 0
 

@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fp8_head import checked_paths, error_text, round_summary  # noqa: E402
+from fp8_head import checked_paths, error_text, failure_rows, ratio_text, round_summary  # noqa: E402
 from qk_norm import attention_problem  # noqa: E402
 
 from creditlab.kernels import qk_norm_rotary as qk_kernels  # noqa: E402
@@ -85,12 +85,11 @@ def main() -> int:
              "|---|---|---|---|---|"]
     for name in times:
         r = round_summary(times[name], times[base["forward"]])
-        median, (lo, hi) = r["median_ms"], r["ratio_range"]
+        median = r["median_ms"]
         result["paths"][name] = r | {"errors_qkv": errors[name], "tflop_per_s": flop / median / 1e9}
-        lines.append(f"| {name} | {median:.4f} | {flop / median / 1e9:.0f} | {r['ratio_per_round']:.3f} "
-                     f"({lo:.3f} .. {hi:.3f}) | {error_text(errors[name])} |")
-    for name, why in failures.items():
-        lines.append(f"| {name} | failed: {why.strip().splitlines()[-1][:200]} | | | |")
+        lines.append(f"| {name} | {median:.4f} | {flop / median / 1e9:.0f} | {ratio_text(r)} | "
+                     f"{error_text(errors[name])} |")
+    lines += failure_rows(failures, 5)
     # the row scales the backward reads, which the timed paths return beside q, k, v
     want_scales = reference_forward(qkv64.view(B, T, 3 * d), rot64.cos, rot64.sin, H)[3].view(M, 2, H)
     kernels = [("Triton", lambda: qkv_rotary.qkv_norm_rotary(x, w, rot.cos, rot.sin, H, T, 1e-6)[1])]

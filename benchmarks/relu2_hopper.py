@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fp8_head import checked_paths, error_text, round_summary  # noqa: E402
+from fp8_head import checked_paths, error_text, failure_rows, ratio_text, round_summary  # noqa: E402
 from relu2_mlp import mlp_problem  # noqa: E402
 
 from creditlab.kernels import relu2_hopper as hopper  # noqa: E402
@@ -70,11 +70,10 @@ def main() -> int:
     for name, ms in times.items():
         r = result["paths"][name] = round_summary(ms, times[base[group_of[name]]]) | {
             "error": errors[name], "product": group_of[name]}
-        (lo, hi), median = r["ratio_range"], r["median_ms"]
-        lines.append(f"| {name} | {median:.4f} | {flop / median / 1e9:.0f} | {r['ratio_per_round']:.3f} "
-                     f"({lo:.3f} .. {hi:.3f}) | {error_text(errors[name])} |")
-    for name, why in failures.items():
-        lines.append(f"| {name} | failed: {why.strip().splitlines()[-1][:200]} | | | |")
+        median = r["median_ms"]
+        lines.append(f"| {name} | {median:.4f} | {flop / median / 1e9:.0f} | {ratio_text(r)} | "
+                     f"{error_text(errors[name])} |")
+    lines += failure_rows(failures, 5)
     write_benchmark(out, "relu2_hopper", result, lines)
     return 0
 

@@ -343,6 +343,10 @@ def test_checked_paths_check_every_output_against_float64_and_report_a_path_that
     assert base == {"first": "one", "second": "two"} and group_of["wrong second output"] == "second"
     assert [bench.error_text(errors[k]) for k in ("one", "untimed reference", "wrong second output")] == \
         ["0.0e+00", "-", "0.0e+00, 5.0e-01"]
+    # the table cells the benchmarks print: a ratio with its range, a failed path's row as wide as the table
+    assert bench.ratio_text(bench.round_summary(times["one"], times["one"])) == "1.000 (1.000 .. 1.000)"
+    row, = bench.failure_rows(failures, 5)
+    assert row.startswith("| broken | failed: ZeroDivisionError") and row.count("|") == 6, row
 
 
 def test_a_kernel_benchmarks_paths_are_drawn_as_ratio_bars(tmp_path):
