@@ -49,7 +49,7 @@ def main() -> int:
 
     paths = {"forward": [("cuBLAS: F.linear", lambda: torch.nn.functional.linear(x, w), forward)],
              "backward": [("cuBLAS: dy w and dy^T x", lambda: (dy @ w, dy.t() @ x), backward)]}
-    for rows, warps in ((thin_linear.ROWS, thin_linear.WARPS), (128, 4), (512, 4), (1024, 8)):
+    for rows, warps in ((thin_linear.ROWS, thin_linear.WARPS), (128, 4), (256, 4), (1024, 8)):
         default = " (the default)" if (rows, warps) == (thin_linear.ROWS, thin_linear.WARPS) else ""
         paths["forward"].append((f"kernel: {rows} rows a program, {warps} warps{default}",
                                  lambda r=rows, nw=warps: thin_linear.thin_forward(x, w, r, nw), forward))

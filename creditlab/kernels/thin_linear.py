@@ -20,7 +20,9 @@ import torch
 
 from creditlab.kernels._triton import tl, triton
 
-ROWS, WARPS = 256, 4  # tokens per program
+# tokens per program: the fastest backward at the seed shape on an H200, the forward as fast as any
+# (benchmarks/results/attention_gate_seed.md)
+ROWS, WARPS = 512, 4
 
 
 if triton is not None:
