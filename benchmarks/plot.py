@@ -24,7 +24,7 @@ from creditlab.arms_runner import round_ratio  # noqa: E402
 
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # long path names: nothing cut at the edges
     plt.close(fig)
     return path
 
@@ -378,6 +378,14 @@ MLP_PATHS = ("time over the product's Triton kernel, per round (median, range of
              "131,072 x 512 -> 2,048, bf16, one H200")
 
 
+QKV_PATHS = ("time over the step's model.qk=fused forward, per round (median, range of 10 alternated rounds)",
+             "the Q/K/V product with QK-norm and rotary (model.qk=product, Triton and Gluon)\n"
+             "131,072 x 512 -> 3 x 512, 4 heads of 128, bf16, one H200")
+GATE_PATHS = ("time over cuBLAS's products of the same direction, per round (median, range of 10 alternated rounds)",
+              "the attention gate's thin product (model.attn_gate=fused), forward and backward\n"
+              "131,072 tokens x 12 -> 4, bf16, CUDA graphs of 20 calls, one H200")
+
+
 def plot_path_ratios(results: list[Path], out: Path, name: str, labels: tuple[str, str] = MLP_PATHS) -> Path:
     """A kernel benchmark's paths (`checked_paths`' results: "paths" with "ratio_per_round" and "ratio_range"),
     each path's time over its group's base per round (median and range of alternated rounds), in each process;
@@ -521,6 +529,8 @@ def main() -> None:
                            "relu2_hopper_flat_seed.png"))
     print(plot_path_ratios([results / "relu2_hopper_seed.json"], out, "relu2_hopper_seed.png"))
     print(plot_path_ratios([results / "relu2_hopper_expand_seed.json"], out, "relu2_hopper_expand_seed.png"))
+    print(plot_path_ratios([results / "qkv_rotary_seed.json"], out, "qkv_rotary_seed.png", QKV_PATHS))
+    print(plot_path_ratios([results / "attention_gate_seed.json"], out, "attention_gate_seed.png", GATE_PATHS))
     print(plot_gate_decode(results / "gate_decode_first_seed.json", out, "gate_decode_first_seed.png"))
     print(plot_gate_decode(results / "gate_decode_seed.json", out, "gate_decode_seed.png"))
     print(plot_kernel_bandwidth(results / "kernel_bandwidth_seed.json", out, "kernel_bandwidth_seed.png"))
