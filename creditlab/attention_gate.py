@@ -14,7 +14,10 @@ checks run through the same Function.
 
 from __future__ import annotations
 
+import math
+
 import torch
+from torch.utils.flop_counter import register_flop_formula
 
 from creditlab import kernels
 from creditlab.kernels import thin_linear
@@ -60,6 +63,17 @@ def thin_linear_backward_op(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) 
 @thin_linear_backward_op.register_fake
 def _(dy, x, w):
     return x.new_empty(x.shape), w.new_empty(w.shape, dtype=torch.promote_types(x.dtype, torch.float32))
+
+
+# The products' FLOPs, as aten.mm's are counted, so that a FLOP count sees these operators as it sees F.linear's
+@register_flop_formula(torch.ops.creditlab.thin_linear)
+def _forward_flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * math.prod(x_shape[:-1]) * x_shape[-1] * w_shape[0]
+
+
+@register_flop_formula(torch.ops.creditlab.thin_linear_backward)
+def _backward_flops(dy_shape, x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * 2 * math.prod(x_shape[:-1]) * x_shape[-1] * w_shape[0]  # dy w and dy^T x
 
 
 class _ThinLinear(torch.autograd.Function):

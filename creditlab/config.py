@@ -36,11 +36,11 @@ class ModelConfig:
     # input-gradient product (relu2.py, Triton on CUDA), keeping only the activation; plain: op by op, ReLU^2
     # recomputed in the backward where model.recompute names mlp (records from before the fused MLP read plain).
     mlp: str = "fused"
-    # fused: QK-norm and rotary positions in one pass each way over the Q/K/V product's output (qk_norm.py,
-    # Triton on CUDA), the rotated q and k kept (attention keeps them anyway); product: the forward pass in the
-    # epilogue of the Q/K/V product itself, whose output is then never written (kernels/qkv_rotary.py, Triton on
-    # CUDA), the backward as fused; plain: op by op (records from before the fused QK-norm read plain).
-    qk: str = "fused"
+    # product: QK-norm and rotary's forward pass in the epilogue of the Q/K/V product itself, whose output is then
+    # never written (kernels/qkv_rotary.py, qkv_hopper.py on CUDA), the backward as fused's; fused: one pass each way
+    # over the Q/K/V product's output (qk_norm.py, Triton on CUDA), the rotated q and k kept (attention keeps them
+    # anyway); plain: op by op (records from before the fused QK-norm read plain; benchmarks/qk_norm.md)
+    qk: str = "product"
     # keep_output: the blocks' norms' backward reads n and the row scale, which the branch's product keeps anyway
     # (model.norm_backward); plain: as autograd records them, keeping their input too (records from before read
     # plain)
@@ -58,14 +58,15 @@ class ModelConfig:
     # the Triton kernel, whose epilogue reads the post tile after the loop (kernels/relu2_matmul.py; records from
     # before the option read triton; benchmarks/relu2_mlp.md)
     mlp_dgrad: str = "gluon"
-    # plain: the attention gate's thin product (gate_dim -> heads per token) as F.linear, three cuBLAS products;
-    # fused: one Triton pass forward and one backward computing the input gradient and the weight gradient's
-    # partial sums (attention_gate.py)
-    attn_gate: str = "plain"
+    # fused: the attention gate's thin product (gate_dim -> heads per token) as one Triton pass forward and one
+    # backward computing the input gradient and the weight gradient's partial sums (attention_gate.py); plain: as
+    # F.linear, three cuBLAS products (records from before the option read plain; benchmarks/native_seed.md)
+    attn_gate: str = "fused"
     # The Q/K/V product's kernel with model.qk=product on CUDA: triton (kernels/qkv_rotary.py); gluon: on compute
     # capability 9, where the tokens are whole tiles, the Gluon kernel whose epilogue's store drains while the
-    # next tile's products run (kernels/qkv_hopper.py), elsewhere the same as triton
-    qk_kernel: str = "triton"
+    # next tile's products run (kernels/qkv_hopper.py), elsewhere the same as triton (records from before the
+    # option read triton)
+    qk_kernel: str = "gluon"
 
     @property
     def recompute_parts(self) -> frozenset[str]:
@@ -257,11 +258,13 @@ class Config:
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
         cfg = cls()
-        for fused in ("mlp", "qk", "norm", "embed"):
+        for fused in ("mlp", "qk", "norm", "embed", "attn_gate"):
             if "model" in d and fused not in d["model"]:
                 setattr(cfg.model, fused, "plain")  # a record from before the lean module: it ran the plain one
         if "model" in d and "mlp_dgrad" not in d["model"]:
             cfg.model.mlp_dgrad = "triton"  # a record from before the Gluon kernel: it ran the Triton one
+        if "model" in d and "qk_kernel" not in d["model"]:
+            cfg.model.qk_kernel = "triton"  # a record from before the Gluon Q/K/V kernel
         if "train" in d and "muon" not in d["train"]:
             cfg.train.muon = "torch"  # a record from before the grouped Muon: it ran torch's
         if "train" in d and "prefetch" not in d["train"]:

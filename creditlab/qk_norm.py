@@ -19,7 +19,10 @@ applies `QKEpilogue.after` to the product it forms instead: the same function, o
 
 from __future__ import annotations
 
+import math
+
 import torch
+from torch.utils.flop_counter import register_flop_formula
 
 from creditlab import kernels
 from creditlab.kernels import qk_norm_rotary as qk_kernels
@@ -143,6 +146,13 @@ def product_forward_op(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin:
 def _(x, w, cos, sin, heads, kernel="triton"):
     q, _, _, scales = _forward_fake(x, x.shape[0], x.shape[1], w.shape[0], heads)
     return x.new_empty((3, *q.shape)), scales
+
+
+@register_flop_formula(torch.ops.creditlab.qkv_product_norm_rotary)
+def _product_flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    """The product's FLOPs, as aten.mm's are counted (the epilogue's pointwise work, as any pass's, is not), so
+    that a FLOP count sees this operator's product as it sees F.linear's."""
+    return 2 * math.prod(x_shape[:-1]) * x_shape[-1] * w_shape[0]
 
 
 class _ProductNormRotary(torch.autograd.Function):

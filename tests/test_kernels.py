@@ -453,3 +453,30 @@ def test_the_fused_lookups_through_the_kernel_give_autograds_table_gradients(rep
 
 def test_the_lookups_backward_operator_declares_its_shapes_truthfully(report):
     assert all(report["embedding_opcheck"].values()), report["embedding_opcheck"]
+
+
+def test_the_product_operators_count_the_flops_of_the_products_they_replace():
+    """A FLOP count (FlopCounterMode: the sketch's cost test, MFU checks) sees the Q/K/V product with its epilogue
+    and the attention gate's passes as it sees the F.linear they stand in for, forward and backward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from creditlab import qk_norm
+    from creditlab.attention_gate import gate_linear
+    from creditlab.model import Rotary
+
+    g = torch.Generator().manual_seed(0)
+    n = torch.randn(2, 8, 24, generator=g, requires_grad=True)
+    rot = Rotary(16, 8, 10_000.0)
+
+    def flops(fn, *operands):
+        with FlopCounterMode(display=False) as counter:
+            out = fn(*operands)
+            torch.autograd.grad(sum(o.sum() for o in (out if isinstance(out, tuple) else (out,))), operands)
+        return counter.get_total_flops()
+
+    w_qkv = torch.randn(96, 24, generator=g, requires_grad=True)
+    w_gate = torch.randn(4, 12, generator=g, requires_grad=True)
+    assert flops(lambda a, b: qk_norm.product_norm_rotary(a, b, rot.cos, rot.sin, 2), n, w_qkv) == \
+        flops(torch.nn.functional.linear, n, w_qkv) == 3 * 2 * 16 * 24 * 96
+    gate_input = n[..., :12]
+    assert flops(gate_linear, gate_input, w_gate) == flops(torch.nn.functional.linear, gate_input, w_gate) > 0

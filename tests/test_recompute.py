@@ -107,4 +107,7 @@ def test_records_from_before_the_fused_modules_read_as_the_plain_ones_they_ran()
     assert old.mlp == old.qk == "plain"
     assert config.Config.from_dict({"model": {"mlp": "fused", "qk": "fused"}}).model.mlp == "fused"
     new = config.Config.from_dict(config.Config().to_dict()).model
-    assert new.mlp == new.qk == "fused"
+    assert (new.mlp, new.qk, new.attn_gate, new.qk_kernel) == ("fused", "product", "fused", "gluon")
+    # a record from before the Q/K/V product's epilogue and the fused gate ran the fused QK-norm and F.linear
+    before = config.Config.from_dict({"model": {"mlp": "fused", "qk": "fused", "norm": "keep_output"}}).model
+    assert (before.qk, before.attn_gate, before.qk_kernel) == ("fused", "plain", "triton")

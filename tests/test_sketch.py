@@ -19,6 +19,7 @@ from creditlab.credit.sources import ZeroSource
 from creditlab.data import SyntheticLoader
 from creditlab.flops import sketch_cost
 from creditlab.model import ExactCredit
+from creditlab.qk_norm import QKEpilogue
 from creditlab.relu2 import expand_relu2_values
 from creditlab.train import Trainer
 from tests.test_credit import CountMatmuls, train_eager_and_compiled
@@ -68,6 +69,8 @@ class _TransposedSketch(torch.autograd.Function):
 
 class _TransposedCredit(SketchCredit):
     def product(self, index, n, weight, activation=None):
+        if isinstance(activation, QKEpilogue):  # as SketchCredit: the product, then the epilogue
+            return activation.after(_TransposedSketch.apply(n, weight, self.basis[index], None))
         return _TransposedSketch.apply(n, weight, self.basis[index], activation)
 
 
@@ -172,6 +175,10 @@ class _OutputTap(ExactCredit):
         self.outputs = []
 
     def product(self, index, n, weight, activation=None):
+        if isinstance(activation, QKEpilogue):  # model.qk=product: the product, kept, then the epilogue
+            y = super().product(index, n, weight)
+            self.outputs.append(y)
+            return activation.after(y)
         y = super().product(index, n, weight, activation)  # fused or not, y's gradient is dL/d(n W^T)
         self.outputs.append(y)
         return y
