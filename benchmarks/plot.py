@@ -278,6 +278,12 @@ ARMS_FIGURES = [
      "credit arms, micro-batches made ahead (the last screen's tree)"),
     ("arms_fused_products_seed.json", "arms_fused_products_seed.png",
      "learned with the gate and decode as Triton kernels (pointer loads) vs cuBLAS"),
+    ("arms_options_seed.json", "arms_options_seed.png",
+     "QK-norm and rotary in the Q/K/V product's epilogue (Gluon) and the one-pass attention gate, against native"),
+    ("arms_product_default_seed.json", "arms_product_default_seed.png",
+     "credit arms, the Q/K/V epilogue and the one-pass gate by default (the screened tree)"),
+    ("arms_product_default_second_seed.json", "arms_product_default_second_seed.png",
+     "credit arms, the same tree, a second process"),
 ]
 
 
