@@ -19,7 +19,8 @@ from pathlib import Path
 # (class, test on the kernel's name), first match wins.
 CLASSES = [
     ("products (cuBLAS)", lambda n: n.startswith("nvjet") or "gemm" in n or "cutlass" in n),
-    ("fused MLP products (Triton)", lambda n: n.startswith("_matmul_kernel")),
+    ("fused MLP products (Triton, Gluon)", lambda n: n.startswith(("_matmul_kernel", "_mlp_kernel"))),
+    ("Q/K/V product with QK-norm + rotary", lambda n: n.startswith("_qkv_kernel")),
     ("attention (cuDNN)", lambda n: "cudnn" in n or "flash" in n or "sdpa" in n),
     ("head cross-entropy (Triton)", lambda n: n.startswith("_softcap_ce_rows")),
     ("QK-norm + rotary", lambda n: n.startswith("_qk_") or n in ("_forward", "_backward")  # the kernels' first names
@@ -32,6 +33,8 @@ CLASSES = [
      or "RadixSort" in n),
     ("norms", lambda n: n.startswith("_norm_decode") or (n.startswith("triton") and ("rsqrt" in n or "mean" in n))),
     ("the teacher's fit (Triton)", lambda n: n.startswith("_fit_rows")),
+    ("attention gate (Triton)", lambda n: n.startswith(("_thin_forward", "_thin_backward"))),
+    ("state gate and decode (Triton)", lambda n: n.startswith(("_state_gate", "_gated_decode"))),
     ("other generated pointwise / reductions", lambda n: n.startswith("triton")),
     ("optimizer and eager elementwise", lambda n: "at::native" in n or "multi_tensor" in n or "foreach" in n),
     ("copies and memsets", lambda n: n.startswith("Memcpy") or n.startswith("Memset")),

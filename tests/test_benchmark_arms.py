@@ -164,9 +164,15 @@ def test_kernel_table_classifies_a_profile_and_accounts_for_its_busy_time():
     read = kernel_table.read_profile(profile)
     assert read["busy_ms"] == 313.8 and read["kernels"] == 3108
     assert sum(read["by_class"].values()) == pytest.approx(read["busy_ms"])  # the listed rows plus the rest
-    assert read["by_class"]["fused MLP products (Triton)"] > 30 and "ReLU^2 (plain MLP)" not in read["by_class"]
+    assert read["by_class"]["fused MLP products (Triton, Gluon)"] > 30 and "ReLU^2 (plain MLP)" not in read["by_class"]
     assert kernel_table.classify("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "products (cuBLAS)"
     assert kernel_table.classify("triton_red_fused__to_copy_add_cat_div_expand_mul_neg_pow") == "QK-norm + rotary"
+    # our kernels by their first names: the Gluon MLP and Q/K/V products, the attention gate's, the credit path's
+    assert kernel_table.classify("_mlp_kernel") == "fused MLP products (Triton, Gluon)"
+    assert kernel_table.classify("_qkv_kernel") == "Q/K/V product with QK-norm + rotary"
+    assert kernel_table.classify("_qk_backward") == "QK-norm + rotary"
+    assert kernel_table.classify("_thin_backward") == "attention gate (Triton)"
+    assert kernel_table.classify("_gated_decode") == "state gate and decode (Triton)"
 
 
 def test_kernel_table_leaves_out_the_ranges_drawn_over_a_compiled_graphs_kernels():
