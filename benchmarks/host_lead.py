@@ -1,14 +1,18 @@
-"""Is an arm's update bound by the host anywhere? Each update timed twice: as it runs, and with the GPU held back
-at its start by a sleep kernel, so that the host runs ahead and fills the launch queue before the GPU begins.
+"""Is an arm's update bound by the host anywhere? Each update timed three ways: as it runs; with the GPU held
+back at its start by a sleep kernel, so that the host runs ahead and fills the launch queue before the GPU begins
+("led"); and with the same sleep run to its end before the update's timer starts ("rested").
 
     python benchmarks/host_lead.py --out DIR [--arms native,zero,learned] [--rounds 12] [--lead-ms 40]
 
-An update whose GPU is never starved by its host takes the sleep's time longer with the lead, and no more. Where
-the host falls behind somewhere (a stretch of Python, dispatch or launches longer than the GPU work queued
-ahead of it), the lead absorbs that stretch, and the update with the lead takes less than the plain update plus
-the sleep: the difference is the host-bound time the lead removed, up to what the launch queue holds.
-The sleep's own time is measured alone, alternated with the updates. Arms are built as `arms.py` builds them
-(same initialization, same micro-batches) and interleaved, one plain and one led update of every arm per round.
+An update whose GPU is never starved by its host takes the sleep's time longer when led, and no more. Where the
+host falls behind somewhere (a stretch of Python, dispatch or launches longer than the GPU work queued ahead of
+it), the lead absorbs that stretch: the led update takes less than the sleep plus the update, by the host-bound
+time the lead removed (up to what the launch queue holds). But an idle GPU also draws less power, and this card
+runs at its power limit, so the work after a sleep may run at a higher clock. The rested update has the same idle
+GPU before its work without the host running ahead: led less the sleep against rested is the host's part, rested
+against plain the clock's. Every update is preceded by the same sleep (its time measured there), so that all
+three follow the same rest. Arms are built as `arms.py` builds them (same initialization, same micro-batches) and
+interleaved, the three kinds of update in a rotating order.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ from creditlab import config as config_mod  # noqa: E402
 from creditlab import runtime as rt  # noqa: E402
 from creditlab.arms_runner import keep_compiled_side_by_side, rotation, round_difference_ms  # noqa: E402
 from creditlab.train import build_model  # noqa: E402
+
+
+KINDS = ("plain", "led", "rested")
 
 
 def sleep_cycles(ms: float) -> int:
@@ -91,31 +98,42 @@ def main() -> int:
         print(f"== build {name}", flush=True)
         built[name] = arms_bench.build_arm(name, base, init_state)
     cycles = sleep_cycles(args.lead_ms)
-    plain = {n: [] for n in names}
-    led = {n: [] for n in names}
+    times = {kind: {n: [] for n in names} for kind in KINDS}
     sleeps = []
     for r in range(args.rounds):
         for name in rotation(names, r):
             trainer = built[name]["trainer"]
-            plain[name].append(trainer.train_update().seconds)
-            sleeps.append(timed_sleep(cycles))
-            led[name].append(led_update(trainer, cycles))
+            for kind in rotation(KINDS, r):
+                sleeps.append(timed_sleep(cycles))  # the same rest before every update
+                if kind == "plain":
+                    seconds = trainer.train_update().seconds
+                elif kind == "rested":
+                    timed_sleep(cycles)
+                    seconds = trainer.train_update().seconds
+                else:
+                    seconds = led_update(trainer, cycles)
+                times[kind][name].append(seconds)
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(
-            f"{n} {plain[n][-1]:.4f} / {led[n][-1] - sleeps[-1]:.4f}" for n in names), flush=True)
-    sleep_s = statistics.median(sleeps[2 * len(names):] or sleeps)
-    lines = [f"# Host lead: each update plain, and with the GPU held back {sleep_s * 1e3:.2f} ms at its start",
-             "", f"{args.rounds} rounds, the first two left out; {rt.environment(runtime)}", "",
-             "| arm | plain s/update (median) | led s/update less the sleep (median) | led less sleep less plain, "
-             "per round (median, 95% interval), ms |", "|---|---|---|---|"]
+            f"{n} " + " / ".join(f"{times[k][n][-1]:.4f}" for k in KINDS) for n in names), flush=True)
+    sleep_s = statistics.median(sleeps[3 * len(names):] or sleeps)
+    led_less_sleep = {n: [t - sleep_s for t in times["led"][n]] for n in names}
+    lines = [f"# Host lead: each update plain, led (the GPU held back {sleep_s * 1e3:.2f} ms at its start, the "
+             "sleep subtracted) and rested (the same sleep before the timer)", "",
+             f"{args.rounds} rounds, the first two left out; {rt.environment(runtime)}", "",
+             "| arm | plain s/update | rested | led less the sleep | led less rested, ms per round (host) | "
+             "rested less plain, ms per round (clock) |", "|---|---|---|---|---|---|"]
     result = {"sleep_s": sleep_s, "sleeps_s": sleeps, "lead_ms": args.lead_ms, "arms": {}}
     for name in names:
-        led_less_sleep = [s - sleep_s for s in led[name]]
-        mid, lo, hi, _ = round_difference_ms(led_less_sleep, plain[name])
-        result["arms"][name] = {"plain_s": plain[name], "led_s": led[name], "led_less_plain_ms": [mid, lo, hi]}
-        lines.append(f"| {name} | {statistics.median(plain[name][2:]):.4f} | "
-                     f"{statistics.median(led_less_sleep[2:]):.4f} | "
-                     f"{mid:+.1f} ({lo:+.1f} .. {hi:+.1f}) |")
-    lines += ["", "A negative difference is host-bound time the lead took away; about zero, a step the GPU bounds."]
+        host = round_difference_ms(led_less_sleep[name], times["rested"][name])
+        clock = round_difference_ms(times["rested"][name], times["plain"][name])
+        result["arms"][name] = {**{f"{k}_s": times[k][name] for k in KINDS},
+                                "led_less_rested_ms": host[:3], "rested_less_plain_ms": clock[:3]}
+        medians = [statistics.median(t[2:]) for t in (times["plain"][name], times["rested"][name],
+                                                      led_less_sleep[name])]
+        lines.append(f"| {name} | " + " | ".join(f"{m:.4f}" for m in medians) + " | "
+                     + " | ".join(f"{d[0]:+.1f} ({d[1]:+.1f} .. {d[2]:+.1f})" for d in (host, clock)) + " |")
+    lines += ["", "Medians over rounds 3 on, 95% bootstrap intervals. Led less rested below zero: host-bound time "
+              "the lead took away. Rested less plain below zero: the clock's gain after an idle GPU."]
     rt.write_benchmark(out, "host_lead", result, lines)
     print("\n".join(lines))
     return 0
