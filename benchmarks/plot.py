@@ -284,6 +284,10 @@ ARMS_FIGURES = [
      "credit arms, the Q/K/V epilogue and the one-pass gate by default (the screened tree)"),
     ("arms_product_default_second_seed.json", "arms_product_default_second_seed.png",
      "credit arms, the same tree, a second process"),
+    ("arms_profiled_default_seed.json", "arms_profiled_default_seed.png",
+     "credit arms on the same tree, another machine (profiled after the timed rounds)"),
+    ("arms_profiled_default_second_seed.json", "arms_profiled_default_second_seed.png",
+     "credit arms on the same tree, a second process on another machine (profiled)"),
 ]
 
 
@@ -545,6 +549,13 @@ def main() -> None:
                                "zero now": results / "profile_zero_final_busy_seed.txt",
                                "learned now": results / "profile_learned_final_busy_seed.txt"},
                               out, "kernel_table_seed.png", "seed preset, one H200"))
+    print(plot_kernel_classes({"native, before the fused modules": results / "profile_native_busy_seed.txt",
+                               "native, fused defaults": results / "profile_native_final_busy_seed.txt",
+                               "native now": results / "profile_native_product_default_second_seed.txt",
+                               "zero now": results / "profile_zero_product_default_second_seed.txt",
+                               "learned now": results / "profile_learned_product_default_second_seed.txt"},
+                              out, "kernel_table_default_seed.png",
+                              "seed preset, one H200: the Q/K/V epilogue and the one-pass gate by default"))
     (out / "fit").mkdir(exist_ok=True)
     print(plot_arms(HERE / "fit" / "cost" / "arms.json", out / "fit", "cost.png",
                     "fit study: synthetic and teacher updates per family"))
