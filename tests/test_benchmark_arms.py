@@ -366,3 +366,31 @@ def test_a_kernel_benchmarks_paths_are_drawn_as_ratio_bars(tmp_path):
     results.write_text(json.dumps({"paths": paths}))
     figure = plot.plot_path_ratios([results, results], tmp_path, "bench.png", ("over the step's path", "a title"))
     assert figure == tmp_path / "bench.png" and figure.stat().st_size > 1000
+
+
+def test_host_lead_queues_one_sleep_before_the_updates_first_micro_batch_and_restores_the_trainer(monkeypatch):
+    import types
+
+    import torch
+
+    host_lead = load("host_lead")
+    events = []
+
+    class Trainer:
+        def _batch(self):
+            events.append("batch")
+            return None
+
+        def train_update(self):
+            for _ in range(3):  # three micro-batches
+                self._batch()
+            return types.SimpleNamespace(seconds=1.5)
+
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: events.append(f"sleep {cycles}"))
+    trainer = Trainer()
+    assert host_lead.led_update(trainer, 123) == 1.5
+    assert events == ["sleep 123", "batch", "batch", "batch"]
+    assert "_batch" not in vars(trainer)  # the class's method again: the next update is plain
+    events.clear()
+    trainer.train_update()
+    assert events == ["batch"] * 3
