@@ -91,7 +91,6 @@ def main() -> int:
         return 2
     base = config_mod.load(args.preset, args.overrides)
     runtime = rt.resolve(base.train)
-    arms_bench.base_peak = None
     init_state = {k: v.detach().cpu().clone() for k, v in build_model(base, runtime).state_dict().items()}
     keep_compiled_side_by_side()
     built = {}
@@ -116,7 +115,7 @@ def main() -> int:
                 times[kind][name].append(seconds)
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(
             f"{n} " + " / ".join(f"{times[k][n][-1]:.4f}" for k in KINDS) for n in names), flush=True)
-    sleep_s = statistics.median(sleeps[3 * len(names):] or sleeps)
+    sleep_s = statistics.median(sleeps[2 * len(KINDS) * len(names):])  # rounds 3 on, as the updates
     led_less_sleep = {n: [t - sleep_s for t in times["led"][n]] for n in names}
     lines = [f"# Host lead: each update plain, led (the GPU held back {sleep_s * 1e3:.2f} ms at its start, the "
              "sleep subtracted) and rested (the same sleep before the timer)", "",

@@ -163,6 +163,31 @@ def plot_kernel_classes(profiles: dict[str, Path], out: Path, name: str, note: s
     return _save(fig, out / name)
 
 
+def plot_host_lead(result_json: Path, out: Path, name: str, skip: int = 2) -> Path:
+    """Per arm, each round's host share (led less the sleep, less rested) and clock share (rested less plain) of
+    `benchmarks/host_lead.py`, in ms, with their medians."""
+    import statistics
+
+    result = json.loads(result_json.read_text())
+    sleep_s = result["sleep_s"]
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    for i, (arm, times) in enumerate(result["arms"].items()):
+        plain, led, rested = (times[f"{k}_s"][skip:] for k in ("plain", "led", "rested"))
+        shares = {"host: led less the sleep, less rested": [1e3 * (b - sleep_s - r) for b, r in zip(led, rested)],
+                  "clock: rested less plain": [1e3 * (r - p) for r, p in zip(rested, plain)]}
+        for j, (label, values) in enumerate(shares.items()):
+            x = i + (j - 0.5) * 0.35
+            color = ("#c44e52", "#8c8c8c")[j]
+            ax.scatter([x] * len(values), values, s=12, color=color, alpha=0.6, label=label if i == 0 else None)
+            ax.hlines(statistics.median(values), x - 0.12, x + 0.12, color=color, lw=2.5)
+    ax.axhline(0, color="black", lw=0.6)
+    ax.set_xticks(range(len(result["arms"])), list(result["arms"]))
+    ax.set_ylabel("ms per update (each round; bar: median)")
+    ax.set_title(f"The host's share of an update: the GPU led by a {1e3 * sleep_s:.1f} ms sleep", fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    return _save(fig, out / name)
+
+
 def plot_screens(records: Path, out: Path) -> Path:
     screens = sorted(p for p in records.iterdir() if (p / "rows.jsonl").exists())
     fig, axes = plt.subplots(1, len(screens), figsize=(4.2 * len(screens), 3.6), sharey=True)
@@ -544,6 +569,7 @@ def main() -> None:
     print(plot_gate_decode(results / "gate_decode_first_seed.json", out, "gate_decode_first_seed.png"))
     print(plot_gate_decode(results / "gate_decode_seed.json", out, "gate_decode_seed.png"))
     print(plot_kernel_bandwidth(results / "kernel_bandwidth_seed.json", out, "kernel_bandwidth_seed.png"))
+    print(plot_host_lead(results / "host_lead_seed.json", out, "host_lead_seed.png"))
     print(plot_kernel_classes({"native, before the fused modules": results / "profile_native_busy_seed.txt",
                                "native now": results / "profile_native_final_busy_seed.txt",
                                "zero now": results / "profile_zero_final_busy_seed.txt",
