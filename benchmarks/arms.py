@@ -113,6 +113,9 @@ MODIFIERS = {
 SCHEDULES = {
     "interleaved": "arms interleaved (one update of each per round, order rotated each round), all resident; "
                    "peak allocated counts an arm's own bytes, reserved memory is shared",
+    "overlapped": "arms interleaved as above, each update queued before the one before it (another arm's) is "
+                  "read, as `creditlab train` runs with train.overlap: the GPU never waits for the host between "
+                  "updates, and each update's time is the GPU's from CUDA events around its work",
     "sequential": "arms run one after another, each alone on the GPU",
 }
 
@@ -528,6 +531,17 @@ def run_update(arm: dict, own: OwnMemory, collector: CollectorTime) -> None:
     arm.setdefault("gc_s", []).append(collector.take())
 
 
+def queue_update(arm: dict, own: OwnMemory, collector: CollectorTime, in_flight: rt.InFlight) -> None:
+    """As run_update, with the update queued and its row read once the next update (of any arm) is queued."""
+    collector.take()
+    trainer = arm["trainer"]
+    start = time.perf_counter()
+    in_flight.launch(lambda: own.update(arm["name"], trainer.queue_update),
+                     lambda queued: arm["rows"].append(trainer.read_update(queued)))
+    arm["wall_s"] += time.perf_counter() - start  # the host's time to queue it (and to read the one before)
+    arm.setdefault("gc_s", []).append(collector.take())
+
+
 def summarize_arm(arm: dict) -> dict:
     rows = arm["rows"]
     out = {"arm": arm["name"], "overrides": arm["overrides"], "init_sha256": arm["init_sha256"],
@@ -607,7 +621,7 @@ def round_ratio(rows: list[dict], base_rows: list[dict]) -> tuple[float, float, 
 
 def markdown(results: list[dict], meta: dict) -> str:
     base = results[0]["median_last6_s"]
-    paired = meta["schedule"] == "interleaved"
+    paired = meta["schedule"] in ("interleaved", "overlapped")
     lines = [f"GPU: {meta['env'].get('gpu')}, torch {meta['env']['torch']}, CUDA {meta['env']['cuda']}, "
              f"driver {meta['env'].get('driver')}; bf16 matmul rate measured in this run: "
              f"{_tflops(meta['matmul_tflops'])}; {meta['updates']} updates per arm, last-six medians; "
@@ -643,6 +657,12 @@ def markdown(results: list[dict], meta: dict) -> str:
         notes.append("ratio per round: the arm's update time over the first arm's in the same round, its median over "
                      "every round from the third (the first two compile and warm), with a 95% bootstrap interval of "
                      "that median.")
+    check = meta.get("accounted")
+    if check:
+        notes.append(f"accounted: rounds {check['from_round']}-{check['rounds']} took {check['wall_s']:.3f} s of wall "
+                     f"time, of which the updates' own times sum to {check['updates_s']:.3f} s "
+                     f"({100 * check['updates_s'] / check['wall_s']:.1f}%); the rest is time between updates "
+                     f"that no update counts.")
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
@@ -658,8 +678,9 @@ def main() -> int:
     ap.add_argument("--memory", default="", help="comma-separated arms whose memory peak to break down")
     ap.add_argument("--schedule", choices=tuple(SCHEDULES), default="interleaved",
                     help="interleaved: one update of each arm per round, all arms resident (drift in clocks and "
-                         "temperature falls on every arm alike); sequential: each arm's updates back to back, "
-                         "alone on the GPU (per-arm reserved memory)")
+                         "temperature falls on every arm alike); overlapped: the same with each update queued "
+                         "before the one before it is read (as `train` runs); sequential: each arm's updates back "
+                         "to back, alone on the GPU (per-arm reserved memory)")
     ap.add_argument("--resummarize", metavar="ARMS_JSON",
                     help="recompute the summaries and the table of a finished run from its stored rows (no GPU)")
     args = ap.parse_args()
@@ -736,7 +757,10 @@ def main() -> int:
         # All arms resident at once (each keeps its parameters and optimizer state, about 1 GB at the seed
         # preset), through the package's arms runner, which the resource screen uses too.
         keep_compiled_side_by_side()
-        own = OwnMemory(cuda_allocated, shared=True)
+        overlapped = args.schedule == "overlapped"
+        # Overlapped, the allocator's counts are read without waiting for the GPU: it counts on the host.
+        own = OwnMemory(torch.cuda.memory_allocated if overlapped else cuda_allocated, shared=True)
+        in_flight = rt.InFlight()
         arms = {}
         for name in names:
             print(f"== build {name}", flush=True)
@@ -749,18 +773,32 @@ def main() -> int:
 
         def step(at) -> bool:
             try:
-                run_update(arms[at.arm], own, collector)
+                if overlapped:
+                    queue_update(arms[at.arm], own, collector, in_flight)
+                else:
+                    run_update(arms[at.arm], own, collector)
                 return True
             except torch.OutOfMemoryError as exc:
                 release(arms[at.arm])
                 out_of_memory(at.arm, exc)
                 return False  # retired; the other arms go on
 
+        accounted = {"from_round": 3, "rounds": args.updates}
+
         def after_round(r: int) -> None:
-            print(f"round {r + 1}/{args.updates}: " + ", ".join(
-                f"{n} {arms[n]['rows'][-1].seconds:.4f}" for n in live if n not in results), flush=True)
+            if r == 1:  # the wall clock of the rounds the ratios are read on, against the updates' own times
+                in_flight.settle()
+                accounted["start"] = time.perf_counter()
+            print(f"round {r + 1}/{args.updates}: " + ", ".join(  # overlapped: the round's last row is not read
+                f"{n} {arms[n]['rows'][-1].seconds:.4f}" for n in live if n not in results and arms[n]["rows"]),
+                flush=True)
 
         run_rounds(live, args.updates, step, after_round=after_round)
+        in_flight.settle()
+        if "start" in accounted and not results:  # every arm ran every round
+            accounted["wall_s"] = time.perf_counter() - accounted.pop("start")
+            accounted["updates_s"] = sum(r.seconds for n in live for r in arms[n]["rows"][2:])
+            meta["accounted"] = accounted
         for name in live:
             if name not in results:
                 results[name] = summarize_arm(arms[name])

@@ -202,6 +202,10 @@ class TrainConfig:
     # the synchronization that opens the next update (a loader's pure batch_at, so its position stays what a
     # checkpoint saves). Records from before read false.
     prefetch: bool = True
+    # `train`'s loop queues the next update before it reads this one's loss and checks it is finite, so the GPU
+    # never waits for the host between updates; an update's seconds then come from CUDA events around its work.
+    # Settled (read before the next is queued) where a checkpoint, an evaluation or the run's end follows.
+    overlap: bool = True
     activation_budget: float = 1.0  # < 1: ask the compiler to recompute activations to fit this fraction
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 autocast on CUDA, float32 on CPU) | float32 | float64 | bf16
@@ -269,6 +273,8 @@ class Config:
             cfg.train.muon = "torch"  # a record from before the grouped Muon: it ran torch's
         if "train" in d and "prefetch" not in d["train"]:
             cfg.train.prefetch = False  # a record from before the prefetch: each update made its first batch
+        if "train" in d and "overlap" not in d["train"]:
+            cfg.train.overlap = False  # a record from before the overlap: each update was read before the next
         for section, values in d.items():
             for key, value in values.items():
                 _assign(cfg, f"{section}.{key}", value)

@@ -13,11 +13,14 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from creditlab.config import TrainConfig
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -136,6 +139,71 @@ class Timer:
     def __exit__(self, *exc):
         self.runtime.synchronize()
         self.seconds = time.perf_counter() - self.start
+
+
+class DeviceTimer:
+    """Time of a region as the device runs it, read later: CUDA events recorded at its start and end, so the host
+    need not wait for the device at either and may queue what follows before this region has run. The device
+    time then includes any wait for the host inside the region, and none before it. On the CPU, where nothing
+    runs ahead of the host, the region's wall time."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+        self._seconds: float | None = None
+
+    def __enter__(self):
+        if self.runtime.is_cuda:
+            self.start_event = torch.cuda.Event(enable_timing=True)
+            self.start_event.record()
+        else:
+            self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.runtime.is_cuda:
+            self.end_event = torch.cuda.Event(enable_timing=True)
+            self.end_event.record()
+        else:
+            self._seconds = time.perf_counter() - self.start
+
+    @property
+    def seconds(self) -> float:
+        """Waits for the region's end on the device (the first time it is read)."""
+        if self._seconds is None:
+            self.end_event.synchronize()
+            self._seconds = self.start_event.elapsed_time(self.end_event) / 1e3
+        return self._seconds
+
+
+class InFlight:
+    """At most one queued piece of work whose results the host has not read yet: `launch` queues the next piece,
+    then reads the one before, so the host is always one piece ahead of the device. `settle` reads the held one
+    now. When a launch fails, the piece before it is read first: an error that piece hides (a non-finite loss,
+    say) is then what propagates, the launch's failure chained to it."""
+
+    def __init__(self):
+        self._read = None
+
+    def launch(self, queue: Callable[[], T], read: Callable[[T], object]) -> None:
+        """queue() queues a piece and returns its handle; read(handle) runs once the next piece is queued (or at
+        `settle`)."""
+        try:
+            handle = queue()
+        except BaseException:
+            self.settle()
+            raise
+        before, self._read = self._read, (lambda: read(handle))
+        if before is not None:
+            before()
+
+    def settle(self) -> None:
+        before, self._read = self._read, None
+        if before is not None:
+            before()
+
+    @property
+    def holding(self) -> bool:
+        return self._read is not None
 
 
 def peak_memory_mib(runtime: Runtime) -> tuple[float | None, float | None]:

@@ -74,6 +74,22 @@ def build_model(cfg: Config, runtime: rt.Runtime, seed: int | None = None) -> GP
     return GPT(cfg.model).to(device=runtime.device, dtype=runtime.param_dtype)
 
 
+@dataclass
+class QueuedUpdate:
+    """An update queued on the device whose results the host has not read yet (Trainer.read_update reads them).
+    The memory peaks are the allocator's, counted on the host as it queued the work."""
+    update: int
+    kind: str
+    losses: list[torch.Tensor]
+    grad_norms: tuple
+    lr_scale: float
+    fit: dict | None
+    aligned: dict | None
+    timers: list
+    peak_allocated_mib: float | None
+    peak_reserved_mib: float | None
+
+
 class Trainer:
     def __init__(self, cfg: Config, runtime: rt.Runtime | None = None, model: GPT | None = None, loader=None,
                  peak_tflops: float | None = None):
@@ -135,18 +151,24 @@ class Trainer:
         return self.plan.kind(update)
 
     def train_update(self, align: bool = False) -> UpdateRow:
-        """One update: grad_accum micro-batches, then the optimizer step and the source's end of update.
+        """One update, its results read before returning: grad_accum micro-batches, then the optimizer step and
+        the source's end of update, timed from a synchronized device to a synchronized device.
 
         With `align`, the update's gradient is also compared with the exact gradient of the same micro-batches,
         between the backward passes and the step and outside the timed regions (see `measure_alignment`)."""
+        return self.read_update(self.queue_update(align, settled=True))
+
+    def queue_update(self, align: bool = False, settled: bool = False) -> "QueuedUpdate":
+        """Queue one update on the device without waiting for it; `read_update` gives its row. Unless `settled`
+        (or with `align`, which reads its gradients on the host), nothing here waits for the device, so the
+        host may queue the next update while this one runs and the device never waits for the host between
+        them; its time is then read from CUDA events around its work (rt.DeviceTimer)."""
         cfg, runtime = self.cfg.train, self.runtime
         update, kind = self.update_index, self.update_kind(self.update_index)
         rt.reset_peak_memory(runtime)
         losses, batches = [], []
 
-        def step() -> tuple[float, dict | None, float]:
-            # Checked after the step, when the host waits for the loss anyway, so the backward and the step stay
-            # unsynchronized; a non-finite update stops the run and nothing after it is saved.
+        def step() -> tuple[float, dict | None, tuple]:
             grad_norms = self._grad_norms()
             lr_scale = self.optimizers.step(update)
             self.optimizers.zero_grad()
@@ -154,11 +176,10 @@ class Trainer:
             # before the step would leave the GPU idle while the host launches the optimizer's many kernels.
             fit = self.source.end_update(kind)
             self.plan.observe(update, kind, fit)
-            loss = torch.stack(losses).mean().item()
-            self._check_finite(update, loss, losses, grad_norms)
-            return lr_scale, fit, loss
+            return lr_scale, fit, grad_norms
 
-        with rt.Timer(runtime) as timed:
+        timer = rt.Timer(runtime) if settled or align else rt.DeviceTimer(runtime)
+        with timer:
             for micro in range(cfg.grad_accum):
                 inputs, targets = self._batch()
                 if align:
@@ -172,20 +193,31 @@ class Trainer:
             # queued behind the last backward, so the host makes it while the GPU works
             self._make_ahead()
             if not align:  # one timed region: no synchronization between the backward and the step
-                lr_scale, fit, loss = step()
-        seconds, aligned = timed.seconds, None
+                lr_scale, fit, grad_norms = step()
+        timers, aligned = [timer], None
         if align:  # the alignment pass between the backward and the step, outside the timed regions
             aligned = self.measure_alignment(batches)
             with rt.Timer(runtime) as timed_step:
-                lr_scale, fit, loss = step()
-            seconds += timed_step.seconds
+                lr_scale, fit, grad_norms = step()
+            timers.append(timed_step)
+        # The allocator counts on the host, in the order the host queued the work: its peak needs no wait.
+        peaks = rt.peak_memory_mib(runtime)
+        self.update_index += 1
+        return QueuedUpdate(update, kind, losses, grad_norms, lr_scale, fit, aligned, timers, *peaks)
+
+    def read_update(self, queued: "QueuedUpdate") -> UpdateRow:
+        """The row of a queued update: waits for its loss, stops the run at a non-finite loss or gradient (a
+        checked update is one whose loss has been read), and reads its time."""
+        loss = torch.stack(queued.losses).mean().item()
+        self._check_finite(queued.update, loss, queued.losses, queued.grad_norms)
+        seconds = sum(t.seconds for t in queued.timers)
+        cfg, runtime = self.cfg.train, self.runtime
         tokens = cfg.grad_accum * cfg.micro_batch * self.cfg.model.seq_len * runtime.world_size
-        alloc, reserved = rt.peak_memory_mib(runtime)
         tps = tokens / seconds
         mfu = None if self.peak_tflops is None else \
             tps * self.flops_per_token / (self.peak_tflops * 1e12 * runtime.world_size)
-        self.update_index += 1
-        return UpdateRow(update, kind, loss, seconds, tokens, tps, lr_scale, alloc, reserved, mfu, fit, aligned)
+        return UpdateRow(queued.update, queued.kind, loss, seconds, tokens, tps, queued.lr_scale,
+                         queued.peak_allocated_mib, queued.peak_reserved_mib, mfu, queued.fit, queued.aligned)
 
     def _grad_norms(self) -> tuple[list[str], torch.Tensor | None]:
         """Each gradient's norm, queued on the device without waiting for it (one fused kernel per dtype)."""
@@ -281,13 +313,19 @@ class Trainer:
             say(f"eval after {row.update} updates: {row.split} loss {row.loss:.4f}{bpb} "
                 f"({row.tokens:,} tokens, {row.seconds:.1f} s)")
 
+    def aligns(self, update: int, align_every: int) -> bool:
+        return align_every > 0 and update % align_every == align_every - 1
+
+    def evaluates_after(self, update: int, last: bool = False) -> bool:
+        """Whether an evaluation follows `update` (0-based): every train.eval_every updates, and after the last."""
+        every = self.cfg.train.eval_every
+        return last or bool(every and (update + 1) % every == 0)
+
     def advance(self, evaluator=None, on_eval=None, align_every: int = 0, last: bool = False, say=print) -> UpdateRow:
         """One update, with gradient alignment on every `align_every`-th and evaluation every train.eval_every
         updates and after the `last` one."""
-        align = align_every > 0 and self.update_index % align_every == align_every - 1
-        row = self.train_update(align=align)
-        every = self.cfg.train.eval_every
-        if evaluator is not None and ((every and self.update_index % every == 0) or last):
+        row = self.train_update(align=self.aligns(self.update_index, align_every))
+        if evaluator is not None and self.evaluates_after(row.update, last):
             self.evaluate(evaluator, on_eval, say)
         return row
 
@@ -295,7 +333,13 @@ class Trainer:
             align_every: int = 0, on_warning=None) -> list[UpdateRow]:
         """Train `updates` updates (default: the rest of train.updates). With an `evaluator`, the model is also
         evaluated before the first update of a fresh run, every train.eval_every updates and after the last.
-        A stalled loss (LossWatch) is said as a warning line and handed to `on_warning` as a dict."""
+        A stalled loss (LossWatch) is said as a warning line and handed to `on_warning` as a dict.
+
+        With train.overlap, each update is queued before the one before it is read (rt.InFlight): its row, and
+        `on_row`, come once the next update is on the device. An update is read before the next is queued where
+        the trained state is read after it: before a checkpoint (every train.checkpoint_every updates, which
+        `on_row` writes), an evaluation, and at the end. A non-finite update stops the run when it is read, with
+        the next update queued but never read, checkpointed or evaluated."""
         from tqdm import tqdm
 
         count = updates if updates is not None else self.cfg.train.updates - self.update_index
@@ -307,8 +351,9 @@ class Trainer:
         say = bar.write if progress else (lambda line: print(line, flush=True))
         if evaluator is not None and self.update_index == 0:
             self.evaluate(evaluator, on_eval, say)
-        for i in bar:
-            row = self.advance(evaluator, on_eval, align_every, last=i == count - 1, say=say)
+
+        def read(queued: QueuedUpdate) -> None:
+            row = self.read_update(queued)
             rows.append(row)
             if on_row is not None:
                 on_row(row)
@@ -320,6 +365,20 @@ class Trainer:
                 say(f"warning: {warning}")
                 if on_warning is not None:
                     on_warning({"update": row.update, "warning": warning})
+
+        in_flight = rt.InFlight()
+        every_checkpoint = self.cfg.train.checkpoint_every
+        for i in bar:
+            update = self.update_index
+            evaluates = evaluator is not None and self.evaluates_after(update, last=i == count - 1)
+            settle = (not self.cfg.train.overlap or evaluates or i == count - 1
+                      or bool(every_checkpoint and (update + 1) % every_checkpoint == 0))
+            align = self.aligns(update, align_every)
+            in_flight.launch(lambda: self.queue_update(align, settled=settle), read)
+            if settle:
+                in_flight.settle()
+            if evaluates:
+                self.evaluate(evaluator, on_eval, say)
         return rows
 
 

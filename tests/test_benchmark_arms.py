@@ -394,3 +394,38 @@ def test_host_lead_queues_one_sleep_before_the_updates_first_micro_batch_and_res
     events.clear()
     trainer.train_update()
     assert events == ["batch"] * 3
+
+
+def test_overlapped_arms_read_each_update_once_the_next_is_queued_into_its_own_arm():
+    import torch
+
+    from creditlab import runtime as rt
+    from creditlab.arms_runner import OwnMemory, run_rounds
+    from creditlab.data import SyntheticLoader
+    from creditlab.train import Trainer
+
+    arms = load("arms")
+    cpu = ["model.vocab_size=97", "model.seq_len=16", "model.width=32", "model.heads=2",
+           "train.micro_batch=2", "train.grad_accum=1", "train.device=cpu", "train.compile=off",
+           "train.dtype=float32"]
+    built = {}
+    for name in ("native", "zero"):
+        cfg = config.load("tiny", cpu + arms.overrides_of(name))
+        torch.manual_seed(0)
+        built[name] = {"name": name, "trainer": Trainer(cfg, loader=SyntheticLoader(97, 2, 16, seed=1)),
+                       "rows": [], "wall_s": 0.0}
+    own, in_flight, collector = OwnMemory(None), rt.InFlight(), arms.CollectorTime()
+    read = []  # rows read after each queued update
+
+    def step(at):
+        arms.queue_update(built[at.arm], own, collector, in_flight)
+        read.append(sum(len(a["rows"]) for a in built.values()))
+
+    run_rounds(list(built), 3, step)
+    in_flight.settle()
+    assert [len(a["rows"]) for a in built.values()] == [3, 3]
+    assert all(a["trainer"].source.name == ("exact" if n == "native" else "zero") for n, a in built.items())
+    assert [r.update for r in built["native"]["rows"]] == [0, 1, 2] and all(r.kind == "synthetic"
+                                                                             for r in built["zero"]["rows"])
+    # each update read only once the next one (another arm's) was queued: k updates queued, k - 1 read
+    assert read == [0, 1, 2, 3, 4, 5]

@@ -56,17 +56,17 @@ def prepared(tmp_path_factory) -> Path:
 
 def died_at(tmp_path, monkeypatch, update: int, *sets, updates=5, out=None):
     """A run that dies (an internal error) when it reaches update index `update`: its record as left."""
-    original = Trainer.train_update
+    original = Trainer.queue_update
 
     def dying(self, *a, **kw):
         if self.update_index == update:
             raise RuntimeError("killed")
         return original(self, *a, **kw)
 
-    monkeypatch.setattr(Trainer, "train_update", dying)
+    monkeypatch.setattr(Trainer, "queue_update", dying)
     with pytest.raises(RuntimeError, match="killed"):
         train(tmp_path, "train.checkpoint_every=2", *sets, updates=updates, out=out)
-    monkeypatch.setattr(Trainer, "train_update", original)
+    monkeypatch.setattr(Trainer, "queue_update", original)
     return the_record(out or tmp_path / "runs")
 
 
@@ -179,7 +179,7 @@ def test_internal_error_before_the_first_update(tmp_path, monkeypatch):
 def test_internal_error_exit_status_of_the_process(tmp_path):
     code = ("import sys; from creditlab import cli; from creditlab.train import Trainer\n"
             "def boom(self, *a, **k): raise RuntimeError('boom')\n"
-            "Trainer.train_update = boom\n"
+            "Trainer.queue_update = boom\n"
             f"sys.exit(cli.main(['train', '--preset', 'tiny', '--set', 'train.eval_tokens=0', '--set', "
             f"'train.out_dir={tmp_path}']))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
