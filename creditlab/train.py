@@ -24,6 +24,7 @@ from creditlab.alignment import alignment
 from creditlab.config import Config, UserError
 from creditlab.credit import make_source
 from creditlab.credit.schedules import plan_for
+from creditlab.credit.teacher import read_fit
 from creditlab.flops import flop_budget
 from creditlab.model import EXACT, GPT
 from creditlab.optim import Optimizers
@@ -83,7 +84,7 @@ class QueuedUpdate:
     losses: list[torch.Tensor]
     grad_norms: tuple
     lr_scale: float
-    fit: dict | None
+    fit: object  # the source's end_update: a fit report, a FitReport to read, or None
     aligned: dict | None
     timers: list
     peak_allocated_mib: float | None
@@ -168,15 +169,13 @@ class Trainer:
         rt.reset_peak_memory(runtime)
         losses, batches = [], []
 
-        def step() -> tuple[float, dict | None, tuple]:
+        def step() -> tuple[float, object, tuple]:
             grad_norms = self._grad_norms()
             lr_scale = self.optimizers.step(update)
             self.optimizers.zero_grad()
-            # After the model's step: the fit's report reads its metrics on the host, and a synchronization
-            # before the step would leave the GPU idle while the host launches the optimizer's many kernels.
-            fit = self.source.end_update(kind)
-            self.plan.observe(update, kind, fit)
-            return lr_scale, fit, grad_norms
+            # After the model's step, so that whatever of the fit's report a source reads on the host waits for
+            # the fit alone; a teacher's report (a FitReport) is read, and the schedule told, with the update.
+            return lr_scale, self.source.end_update(kind), grad_norms
 
         timer = rt.Timer(runtime) if settled or align else rt.DeviceTimer(runtime)
         with timer:
@@ -210,6 +209,8 @@ class Trainer:
         checked update is one whose loss has been read), and reads its time."""
         loss = torch.stack(queued.losses).mean().item()
         self._check_finite(queued.update, loss, queued.losses, queued.grad_norms)
+        fit = read_fit(queued.fit)
+        self.plan.observe(queued.update, queued.kind, fit)
         seconds = sum(t.seconds for t in queued.timers)
         cfg, runtime = self.cfg.train, self.runtime
         tokens = cfg.grad_accum * cfg.micro_batch * self.cfg.model.seq_len * runtime.world_size
@@ -217,7 +218,7 @@ class Trainer:
         mfu = None if self.peak_tflops is None else \
             tps * self.flops_per_token / (self.peak_tflops * 1e12 * runtime.world_size)
         return UpdateRow(queued.update, queued.kind, loss, seconds, tokens, tps, queued.lr_scale,
-                         queued.peak_allocated_mib, queued.peak_reserved_mib, mfu, queued.fit, queued.aligned)
+                         queued.peak_allocated_mib, queued.peak_reserved_mib, mfu, fit, queued.aligned)
 
     def _grad_norms(self) -> tuple[list[str], torch.Tensor | None]:
         """Each gradient's norm, queued on the device without waiting for it (one fused kernel per dtype)."""
@@ -338,7 +339,8 @@ class Trainer:
         With train.overlap, each update is queued before the one before it is read (rt.InFlight): its row, and
         `on_row`, come once the next update is on the device. An update is read before the next is queued where
         the trained state is read after it: before a checkpoint (every train.checkpoint_every updates, which
-        `on_row` writes), an evaluation, and at the end. A non-finite update stops the run when it is read, with
+        `on_row` writes), an evaluation, and at the end; and where the schedule picks the next update's kind from
+        what this one measured (Plan.reads). A non-finite update stops the run when it is read, with
         the next update queued but never read, checkpointed or evaluated."""
         from tqdm import tqdm
 
@@ -372,7 +374,8 @@ class Trainer:
             update = self.update_index
             evaluates = evaluator is not None and self.evaluates_after(update, last=i == count - 1)
             settle = (not self.cfg.train.overlap or evaluates or i == count - 1
-                      or bool(every_checkpoint and (update + 1) % every_checkpoint == 0))
+                      or bool(every_checkpoint and (update + 1) % every_checkpoint == 0)
+                      or self.plan.reads(self.update_kind(update)))
             align = self.aligns(update, align_every)
             in_flight.launch(lambda: self.queue_update(align, settled=settle), read)
             if settle:

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from creditlab.config import Config, CreditConfig
 from creditlab.credit.sources import FittedSource, InjectCredit
-from creditlab.credit.teacher import STATS, Teacher, _fit_dtypes, _moment_slots, rank_space_fit
+from creditlab.credit.teacher import STATS, FitReport, Teacher, _fit_dtypes, _moment_slots, rank_space_fit
 from creditlab.model import ExactCredit
 
 
@@ -139,7 +139,7 @@ class DNITeacher(Teacher):
         self.correction_sizes.append(inputs.numel() * trainer.model.cfg.width)
         return super().context(trainer, inputs, scale)
 
-    def step(self) -> dict:
+    def step(self) -> FitReport:
         true_sq = torch.stack([s[:, STATS.index("true_sq")] for s in self.stats]).double()  # (micro, branches)
         sizes = torch.tensor(self.correction_sizes, dtype=torch.float64, device=true_sq.device)[:, None]
         rms = (true_sq / sizes).mean(0).sqrt()

@@ -55,7 +55,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from creditlab.config import Config, CreditConfig
 from creditlab.credit.feedback import FeedbackCredit, MeasuredFeedback
 from creditlab.credit.sources import FittedSource
-from creditlab.credit.teacher import _fit_dtypes, wide_product
+from creditlab.credit.teacher import FitReport, _fit_dtypes, wide_product
 from creditlab.model import Attention, Block, ExactCredit, GPT, MLP
 
 
@@ -195,9 +195,9 @@ class FDFATeacher(MeasuredFeedback):
         self.sums = sums if self.sums is None else self.sums + sums
         self.tokens += inputs.numel()
 
-    def step(self) -> dict:
+    def step(self) -> FitReport:
         """Report the fit of the operators as they stood on this update, then fold in its estimate."""
-        summary = self.summarize()
+        summary = self.report()
         if self.sums is not None:
             sums = self.sums.double()
             tokens = torch.tensor(float(self.tokens), dtype=torch.float64, device=sums.device)

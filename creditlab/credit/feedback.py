@@ -239,12 +239,6 @@ class MeasuredFeedback(Teaching):
         gram, cross, true_sq = streamed_moments(credit)  # c = e M_b is the prediction D_b e with D_b = M_b^T
         self.stats.append(feedback_stats(self.maps().transpose(1, 2), gram, cross, true_sq))
 
-    def summarize(self) -> dict:
-        """The fit report of this update's micro-batches, of the maps as they stood."""
-        summary = summarize_stats(self.stats)
-        self.stats = []
-        return summary
-
 
 class DFACalibration(MeasuredFeedback):
     """The teacher of calibrated DFA: it fits nothing but s_b. The measured statistics of B_b (at unit scale)

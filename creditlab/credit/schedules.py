@@ -40,6 +40,11 @@ class Schedule:
     def observe(self, update: int, kind: str, fit: dict | None) -> None:
         """Called after every update with its kind and, on teacher updates, the source's fit report."""
 
+    def reads(self, kind: str) -> bool:
+        """Whether observing an update of this kind can change what the schedule says of the next update (then
+        the next update waits until this one is read)."""
+        return False
+
     def describe(self) -> str:
         raise NotImplementedError
 
@@ -105,6 +110,9 @@ class Adaptive(Schedule):
     def exact(self, update: int) -> bool:
         return update >= self.next_exact
 
+    def reads(self, kind: str) -> bool:
+        return kind != "synthetic"
+
     def observe(self, update: int, kind: str, fit: dict | None) -> None:
         if kind == "synthetic":
             return
@@ -168,6 +176,9 @@ class Plan:
 
     def observe(self, update: int, kind: str, fit: dict | None) -> None:
         self.schedule.observe(update, kind, fit)
+
+    def reads(self, kind: str) -> bool:
+        return self.schedule.reads(kind)
 
 
 def plan_for(spec: str, every: int, omits: bool, fits: bool) -> Plan:

@@ -193,21 +193,62 @@ def code_objective(predictor, e: torch.Tensor, x_terminal: torch.Tensor, code_gr
 def summarize_stats(stats: list[torch.Tensor]) -> dict:
     """One update's fit report from its micro-batches' statistics (branches, len(STATS)) each: per branch the
     normalized error (mean over micro-batches) and the cosine (of the sums)."""
-    if not stats:
-        return {"fit_error": math.nan, "fit_cosine": math.nan, "fit_branches": {}}
-    s = torch.stack(stats).double().cpu()  # (micro-batches, branches, len(STATS))
-    signal = s[..., 3] > 0  # micro-batches whose true correction was not exactly zero
-    count = signal.sum(0)
-    error = torch.where(count > 0, (s[..., 0] * signal).sum(0) / count.clamp_min(1), float("nan"))
-    cosine = torch.where(count > 0, s[..., 1].sum(0) / (s[..., 2].sum(0) * s[..., 3].sum(0)).sqrt().clamp_min(
-        1e-300), float("nan"))
-    branches = {str(b): {"error": float(error[b]), "cosine": float(cosine[b])} for b in range(s.shape[1])}
-    # NaN when no branch had a non-zero true correction (zero-initialized projections): nothing to fit yet.
-    return {"fit_error": float(error.nanmean()), "fit_cosine": float(cosine.nanmean()), "fit_branches": branches}
+    return FitReport(stats).read()
+
+
+class FitReport:
+    """A fit report whose statistics are still being computed on the device: they are copied to the host
+    without waiting (into pinned memory, behind the work that makes them), and `read` turns them into the
+    report, waiting for the copy only then. So an update that fits need not wait for its own end."""
+
+    def __init__(self, stats: list[torch.Tensor]):
+        self.host, self.copied = None, None
+        if stats:
+            s = torch.stack(stats).double()  # (micro-batches, branches, len(STATS))
+            if s.is_cuda:
+                self.host = torch.empty(s.shape, dtype=s.dtype, pin_memory=True)
+                self.host.copy_(s, non_blocking=True)
+                self.copied = torch.cuda.Event()
+                self.copied.record()
+            else:
+                self.host = s
+
+    def read(self) -> dict:
+        if self.host is None:
+            return {"fit_error": math.nan, "fit_cosine": math.nan, "fit_branches": {}}
+        if self.copied is not None:
+            self.copied.synchronize()
+        s = self.host
+        signal = s[..., 3] > 0  # micro-batches whose true correction was not exactly zero
+        count = signal.sum(0)
+        error = torch.where(count > 0, (s[..., 0] * signal).sum(0) / count.clamp_min(1), float("nan"))
+        cosine = torch.where(count > 0, s[..., 1].sum(0) / (s[..., 2].sum(0) * s[..., 3].sum(0)).sqrt().clamp_min(
+            1e-300), float("nan"))
+        branches = {str(b): {"error": float(error[b]), "cosine": float(cosine[b])} for b in range(s.shape[1])}
+        # NaN when no branch had a non-zero true correction (zero-initialized projections): nothing to fit yet.
+        return {"fit_error": float(error.nanmean()), "fit_cosine": float(cosine.nanmean()), "fit_branches": branches}
+
+
+def read_fit(fit: "dict | FitReport | None") -> dict | None:
+    """A source's fit report (`end_update`), read: a FitReport waits for its statistics here."""
+    return fit.read() if isinstance(fit, FitReport) else fit
 
 
 class Teaching:
-    """What the trainer asks of a teacher: a micro-batch's `context`, and `collect` after its backward."""
+    """What the trainer asks of a teacher: a micro-batch's `context`, and `collect` after its backward, which
+    appends the micro-batch's fit statistics (branches, len(STATS)) to `self.stats`."""
+
+    stats: list[torch.Tensor]
+
+    def report(self) -> FitReport:
+        """This update's fit report, of the predictor as it stood, read when asked (the trainer reads it with
+        the update); the statistics start anew."""
+        summary = FitReport(self.stats)
+        self.stats = []
+        return summary
+
+    def summarize(self) -> dict:
+        return self.report().read()
 
     def context(self, trainer, inputs: torch.Tensor, scale: float) -> ExactCredit:
         raise NotImplementedError
@@ -284,9 +325,10 @@ class Teacher(Teaching):
     def dtype(self) -> torch.dtype:
         return next(self.module.parameters()).dtype
 
-    def step(self) -> dict:
+    def step(self) -> FitReport:
         """Apply the accumulated fit (gradient step, and with lstsq the decoders' solve); return per-branch
-        normalized error and cosine, measured on this update's corrections before the fit moved."""
+        normalized error and cosine, measured on this update's corrections before the fit moved (as a FitReport,
+        read when the update is)."""
         distributed = dist.is_available() and dist.is_initialized()
         if distributed:  # every rank fits the same predictor
             for p in self.module.parameters():
@@ -301,7 +343,7 @@ class Teacher(Teaching):
         true_sq = torch.stack([s[:, STATS.index("true_sq")] for s in self.stats]).sum(0) if self.stats else None
         if distributed and true_sq is not None:
             dist.all_reduce(true_sq, op=dist.ReduceOp.SUM)
-        summary = self.summarize()
+        summary = self.report()
         if self.closed_form and self.moment_sums is not None and true_sq is not None:
             self.set_decoders(self.solve(true_sq))
         self.moment_sums = None
@@ -339,11 +381,6 @@ class Teacher(Teaching):
     @torch.no_grad()
     def set_decoders(self, solved: torch.Tensor) -> None:
         self.decoders.copy_(solved.to(self.decoders.dtype))
-
-    def summarize(self) -> dict:
-        summary = summarize_stats(self.stats)
-        self.stats = []
-        return summary
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "moments": self.moments}
