@@ -128,7 +128,7 @@ def figure(runs: list[dict], path: Path) -> Path:
                 axes[2].plot(u, cos, "s--", ms=3, color=line.get_color(), alpha=0.6, label="cosine")
     axes[0].set(xlabel="update", ylabel="train loss (nats)", title="loss (dots: exact teacher updates)")
     axes[0].legend(fontsize=7)
-    axes[1].set(xlabel="update", ylabel="s/update", title="synchronized wall time (first update omitted)")
+    axes[1].set(xlabel="update", ylabel="s/update", title="time per update (first update omitted)")
     if has_fit:
         axes[2].set(xlabel="update", title="predictor fit to the true corrections", ylim=(-0.05, 1.2))
         axes[2].legend(fontsize=7)

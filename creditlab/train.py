@@ -3,7 +3,9 @@
 `Trainer.forward_backward` is the one place a forward and a backward pass happen, for every kind of update
 (native, synthetic, teacher); which credit path runs inside it is the credit source's business (credit/), and
 which kind each update is, the schedule's (credit/schedules.py). An update is `grad_accum` micro-batches then
-one optimizer step; each update yields a row of synchronized wall time, loss and peak memory.
+one optimizer step; each update yields a row of its time, loss and peak memory. `train_update` times an update
+from a synchronized device to a synchronized device; `run` (train.overlap) queues each update before reading the
+one before it and times it by CUDA events, so the device never waits for the host between updates.
 """
 
 from __future__ import annotations
