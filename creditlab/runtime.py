@@ -175,6 +175,27 @@ class DeviceTimer:
         return self._seconds
 
 
+class HostCopy:
+    """A device tensor copied to the host behind the work queued so far, without waiting for it: `get` waits for
+    the copy alone. A read that queued device work of its own (`.item()` on a device tensor, say) would wait for
+    everything queued before that work, the next update included. On the CPU, the tensor itself."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.copied = None
+        if tensor.is_cuda:
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.host.copy_(tensor, non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        else:
+            self.host = tensor
+
+    def get(self) -> torch.Tensor:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host
+
+
 class InFlight:
     """At most one queued piece of work whose results the host has not read yet: `launch` queues the next piece,
     then reads the one before, so the host is always one piece ahead of the device. `settle` reads the held one

@@ -83,8 +83,9 @@ class QueuedUpdate:
     The memory peaks are the allocator's, counted on the host as it queued the work."""
     update: int
     kind: str
-    losses: list[torch.Tensor]
-    grad_norms: tuple
+    readback: rt.HostCopy  # [the mean loss, each micro-batch's loss, each gradient's norm]
+    grad_names: list[str]  # the parameters of those norms
+    micro_batches: int
     lr_scale: float
     fit: object  # the source's end_update: a fit report, a FitReport to read, or None
     aligned: dict | None
@@ -171,13 +172,16 @@ class Trainer:
         rt.reset_peak_memory(runtime)
         losses, batches = [], []
 
-        def step() -> tuple[float, object, tuple]:
-            grad_norms = self._grad_norms()
+        def step() -> tuple[float, object, tuple[rt.HostCopy, list[str]]]:
+            # What the host reads of the update, gathered before the step (the gradients are zeroed after it)
+            names, norms = self._grad_norms()
+            stacked = torch.stack(losses)
+            readback = rt.HostCopy(torch.cat([stacked.mean().view(1), stacked.view(-1), norms.to(stacked.dtype)]))
             lr_scale = self.optimizers.step(update)
             self.optimizers.zero_grad()
             # After the model's step, so that whatever of the fit's report a source reads on the host waits for
             # the fit alone; a teacher's report (a FitReport) is read, and the schedule told, with the update.
-            return lr_scale, self.source.end_update(kind), grad_norms
+            return lr_scale, self.source.end_update(kind), (readback, names)
 
         timer = rt.Timer(runtime) if settled or align else rt.DeviceTimer(runtime)
         with timer:
@@ -194,23 +198,24 @@ class Trainer:
             # queued behind the last backward, so the host makes it while the GPU works
             self._make_ahead()
             if not align:  # one timed region: no synchronization between the backward and the step
-                lr_scale, fit, grad_norms = step()
+                lr_scale, fit, readback = step()
         timers, aligned = [timer], None
         if align:  # the alignment pass between the backward and the step, outside the timed regions
             aligned = self.measure_alignment(batches)
             with rt.Timer(runtime) as timed_step:
-                lr_scale, fit, grad_norms = step()
+                lr_scale, fit, readback = step()
             timers.append(timed_step)
         # The allocator counts on the host, in the order the host queued the work: its peak needs no wait.
         peaks = rt.peak_memory_mib(runtime)
         self.update_index += 1
-        return QueuedUpdate(update, kind, losses, grad_norms, lr_scale, fit, aligned, timers, *peaks)
+        return QueuedUpdate(update, kind, *readback, len(losses), lr_scale, fit, aligned, timers, *peaks)
 
     def read_update(self, queued: "QueuedUpdate") -> UpdateRow:
         """The row of a queued update: waits for its loss, stops the run at a non-finite loss or gradient (a
         checked update is one whose loss has been read), and reads its time."""
-        loss = torch.stack(queued.losses).mean().item()
-        self._check_finite(queued.update, loss, queued.losses, queued.grad_norms)
+        values = queued.readback.get().tolist()  # waits for this update alone
+        loss, losses, norms = values[0], values[1:1 + queued.micro_batches], values[1 + queued.micro_batches:]
+        self._check_finite(queued.update, loss, losses, queued.grad_names, norms)
         fit = read_fit(queued.fit)
         self.plan.observe(queued.update, queued.kind, fit)
         seconds = sum(t.seconds for t in queued.timers)
@@ -222,21 +227,20 @@ class Trainer:
         return UpdateRow(queued.update, queued.kind, loss, seconds, tokens, tps, queued.lr_scale,
                          queued.peak_allocated_mib, queued.peak_reserved_mib, mfu, fit, queued.aligned)
 
-    def _grad_norms(self) -> tuple[list[str], torch.Tensor | None]:
-        """Each gradient's norm, queued on the device without waiting for it (one fused kernel per dtype)."""
+    def _grad_norms(self) -> tuple[list[str], torch.Tensor]:
+        """Each gradient's name and norm, the norms queued on the device (one fused kernel per dtype)."""
         named = [(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
         if not named:
-            return [], None
+            return [], torch.zeros(0, device=self.runtime.device)
         return [n for n, _ in named], torch.stack(torch._foreach_norm([g for _, g in named]))
 
-    def _check_finite(self, update: int, loss: float, losses: list[torch.Tensor], grad_norms) -> None:
+    def _check_finite(self, update: int, loss: float, losses: list[float], names: list[str],
+                      norms: list[float]) -> None:
         """Stop at the first non-finite loss or gradient, naming the update, micro-batch and parameter."""
-        names, norms = grad_norms
-        bad_grad = None if norms is None or bool(torch.isfinite(norms).all()) else \
-            names[int((~torch.isfinite(norms)).nonzero()[0])]
+        bad_grad = next((n for n, v in zip(names, norms) if not math.isfinite(v)), None)
         if math.isfinite(loss) and bad_grad is None:
             return
-        micro = next((i for i, x in enumerate(losses) if not bool(torch.isfinite(x))), None)
+        micro = next((i for i, x in enumerate(losses) if not math.isfinite(x)), None)
         what = f"loss {loss}" if not math.isfinite(loss) else f"gradient of {bad_grad}"
         where = f"update {update + 1}" + ("" if micro is None else f", micro-batch {micro + 1}")
         raise Diverged(f"diverged: non-finite {what} at {where}; lower the learning rates "

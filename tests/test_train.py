@@ -346,3 +346,28 @@ def test_device_time_is_read_from_events_only_when_asked(monkeypatch):
     assert log == [("record", 1), "work", ("record", 2)]  # nothing waited on at the region's start or end
     assert timer.seconds == 0.25 and timer.seconds == 0.25
     assert log[3:] == [("wait", 2)]  # the end waited on once, when first read
+
+
+def test_reading_an_update_queues_no_device_work():
+    """A read that ran an op on the update's tensors (`.item()` of a loss on the GPU, an isfinite check) would be
+    queued behind the next update, and the host would wait for that one too: an overlapped run would be settled
+    in all but name. So a read runs no tensor op at all; on the CPU any op shows in the dispatcher."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    trainer = _overlap_trainer(True)
+    queued = trainer.queue_update()
+    with Ops() as ops:
+        row = trainer.read_update(queued)
+    assert ops.seen == [] and math.isfinite(row.loss)
+    with Ops() as ops:  # the check is able to see a read's ops
+        torch.stack([torch.ones(1)]).mean().item()
+    assert ops.seen

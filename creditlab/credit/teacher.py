@@ -198,27 +198,17 @@ def summarize_stats(stats: list[torch.Tensor]) -> dict:
 
 class FitReport:
     """A fit report whose statistics are still being computed on the device: they are copied to the host
-    without waiting (into pinned memory, behind the work that makes them), and `read` turns them into the
-    report, waiting for the copy only then. So an update that fits need not wait for its own end."""
+    without waiting (rt.HostCopy), and `read` turns them into the report, waiting for the copy only then. So an
+    update that fits need not wait for its own end."""
 
     def __init__(self, stats: list[torch.Tensor]):
-        self.host, self.copied = None, None
-        if stats:
-            s = torch.stack(stats).double()  # (micro-batches, branches, len(STATS))
-            if s.is_cuda:
-                self.host = torch.empty(s.shape, dtype=s.dtype, pin_memory=True)
-                self.host.copy_(s, non_blocking=True)
-                self.copied = torch.cuda.Event()
-                self.copied.record()
-            else:
-                self.host = s
+        # (micro-batches, branches, len(STATS))
+        self.stats = rt.HostCopy(torch.stack(stats).double()) if stats else None
 
     def read(self) -> dict:
-        if self.host is None:
+        if self.stats is None:
             return {"fit_error": math.nan, "fit_cosine": math.nan, "fit_branches": {}}
-        if self.copied is not None:
-            self.copied.synchronize()
-        s = self.host
+        s = self.stats.get()
         signal = s[..., 3] > 0  # micro-batches whose true correction was not exactly zero
         count = signal.sum(0)
         error = torch.where(count > 0, (s[..., 0] * signal).sum(0) / count.clamp_min(1), float("nan"))
