@@ -205,15 +205,18 @@ def diverge(monkeypatch, update: int, how: str) -> list[str]:
     return hit
 
 
-def test_non_finite_loss_stops_the_run(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_non_finite_loss_stops_the_run(tmp_path, monkeypatch, capsys, overlap):
     diverge(monkeypatch, 2, "loss")
-    assert train(tmp_path) == 1
+    # overlapped, the update after it is queued before it is read: still nothing after it is recorded or saved
+    assert train(tmp_path, f"train.overlap={overlap}", "train.checkpoint_every=4") == 1
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("creditlab: error: diverged: non-finite loss nan at update 3, micro-batch 1")
     record = the_record(tmp_path / "runs")
     failure = json.loads((record / "failure.json").read_text())
     assert failure["reason"] == "diverged" and failure["update_index"] == 2 and failure["micro_batch"] == 0
     assert [r["update"] for r in rows(record)] == [0, 1] and not (record / "result.json").exists()
+    assert not list(record.glob("checkpoint_*.pt"))  # the update after it (the fourth) was never checkpointed
     assert "Status: **failed**" in cli_report(record)
 
 
