@@ -313,6 +313,10 @@ ARMS_FIGURES = [
      "credit arms on the same tree, another machine (profiled after the timed rounds)"),
     ("arms_profiled_default_second_seed.json", "arms_profiled_default_second_seed.png",
      "credit arms on the same tree, a second process on another machine (profiled)"),
+    ("arms_overlapped_first_seed.json", "arms_overlapped_first_seed.png",
+     "credit arms overlapped, first form (its read waited for the next update)"),
+    ("arms_settled_first_seed.json", "arms_settled_first_seed.png",
+     "credit arms settled, the same machine, after the overlapped process"),
 ]
 
 
