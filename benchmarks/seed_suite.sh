@@ -2,8 +2,8 @@
 # Every seed-preset measurement of the benchmark pages in one go (about 13 minutes on one H200, most of it
 # compilation): the head-loss kernel's configurations; the arms interleaved (the default native step, its
 # recompute choices, the credit sources, the teacher, one teacher in four) with a kernel profile and a
-# breakdown of the native memory peak; board power and clocks sampled every 2 s; what one compiled forward keeps;
-# each generated kernel of native, zero and learned against the card's streaming rate; the head loss with its
+# breakdown of the native memory peak; the credit arms again in the overlapped loop; board power and clocks
+# sampled every 2 s; what one compiled forward keeps; each generated kernel of native, zero and learned against the card's streaming rate; the head loss with its
 # products in FP8 against bf16, and its chunk loop against the loop it replaced.
 #   bash benchmarks/seed_suite.sh OUT_DIR
 set -uo pipefail
@@ -32,5 +32,8 @@ python3 "$here/arms.py" --out "$out/arms" --profile native --memory native \
   --arms native,native+recompute_all,native_plain,zero,learned,learned_materialized,teacher,cycle --updates 16 \
   2>&1 | grep -v "^update" | tail -20
 python3 "$here/targets.py" "$out/arms/arms.json" --out "$out/arms/targets.md"
+python3 "$here/arms.py" --out "$out/arms_overlapped" --arms native,zero,learned,teacher --updates 16 \
+  --schedule overlapped 2>&1 | grep -v "^update" | tail -12
+python3 "$here/targets.py" "$out/arms_overlapped/arms.json" --out "$out/arms_overlapped/targets.md"
 python3 "$here/kept.py" --out "$out/kept" 2>&1 | head -16
 python3 "$here/kernel_bandwidth.py" --out "$out/kernel_bandwidth" --arms native,zero,learned 2>&1 | grep "^## "
