@@ -3,8 +3,9 @@
 # compilation): the head-loss kernel's configurations; the arms interleaved (the default native step, its
 # recompute choices, the credit sources, the teacher, one teacher in four) with a kernel profile and a
 # breakdown of the native memory peak; the credit arms again in the overlapped loop; board power and clocks
-# sampled every 2 s; what one compiled forward keeps; each generated kernel of native, zero and learned against the card's streaming rate; the head loss with its
-# products in FP8 against bf16, and its chunk loop against the loop it replaced.
+# sampled every 2 s; what one compiled forward keeps; each generated kernel of native, zero and learned against
+# the card's streaming rate; the head loss with its products in FP8 against bf16, and its chunk loop against the
+# loop it replaced.
 #   bash benchmarks/seed_suite.sh OUT_DIR
 set -uo pipefail
 out=${1:?output folder}
