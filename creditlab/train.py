@@ -211,8 +211,8 @@ class Trainer:
         return QueuedUpdate(update, kind, *readback, len(losses), lr_scale, fit, aligned, timers, *peaks)
 
     def read_update(self, queued: "QueuedUpdate") -> UpdateRow:
-        """The row of a queued update: waits for its loss, stops the run at a non-finite loss or gradient (a
-        checked update is one whose loss has been read), and reads its time."""
+        """The row of a queued update: waits for what the host reads of it (and for nothing queued after it),
+        stops the run at a non-finite loss or gradient, tells the schedule, and reads its time."""
         values = queued.readback.get().tolist()  # waits for this update alone
         loss, losses, norms = values[0], values[1:1 + queued.micro_batches], values[1 + queued.micro_batches:]
         self._check_finite(queued.update, loss, losses, queued.grad_names, norms)
