@@ -26,6 +26,7 @@ python3 "$here/qkv_rotary.py" --out "$out/qkv_rotary" 2>&1 | tail -12
 python3 "$here/attention_gate.py" --out "$out/attention_gate" 2>&1 | tail -14
 python3 "$here/batch_host.py" --out "$out/batch_host" 2>&1 | tail -5
 python3 "$here/host_lead.py" --out "$out/host_lead" 2>&1 | grep "^|"
+python3 "$here/overlap.py" --out "$out/overlap" 2>&1 | grep -E "^\||^Wall"
 python3 "$here/fp8_head.py" --out "$out/fp8_head" 2>&1 | head -8
 python3 "$here/head_loss.py" --out "$out/head_loss" 2>&1 | head -6
 python3 "$here/products.py" --out "$out/products" 2>&1 | tail -9

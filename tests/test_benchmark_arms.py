@@ -198,7 +198,7 @@ def test_paired_differences_are_taken_round_by_round():
 
 @pytest.mark.parametrize("script", ["arms", "softcap_ce", "softcap_ce_held", "qk_norm", "relu2_mlp", "fit_rows", "fit_rows_variants", "norm_decode", "fp8_head", "head_loss", "products",
                                     "embedding_grad", "batch_host", "relu2_hopper", "gate_decode", "qkv_rotary", "host_lead",
-                                    "attention_gate"])
+                                    "attention_gate", "overlap"])
 def test_gpu_benchmarks_refuse_a_machine_without_cuda(script, tmp_path, monkeypatch, capsys):
     """Exit 2 with one line, and no output folder made, where no CUDA GPU is visible."""
     import sys
@@ -429,3 +429,57 @@ def test_overlapped_arms_read_each_update_once_the_next_is_queued_into_its_own_a
                                                                              for r in built["zero"]["rows"])
     # each update read only once the next one (another arm's) was queued: k updates queued, k - 1 read
     assert read == [0, 1, 2, 3, 4, 5]
+
+
+class _LoggedTrainer:
+    """A trainer's queue and read, logged; each update's seconds are its arm's number."""
+
+    def __init__(self, name, log, seconds):
+        self.name, self.log, self.seconds = name, log, seconds
+
+    def queue_update(self):
+        self.log.append(f"queue {self.name}")
+        return self.name
+
+    def read_update(self, queued):
+        import types
+
+        self.log.append(f"read {queued}")
+        return types.SimpleNamespace(seconds=self.seconds)
+
+    def train_update(self):
+        return self.read_update(self.queue_update())
+
+
+def test_the_overlap_benchmark_reads_each_update_after_the_next_is_queued_and_leaves_out_the_blocks_first():
+    overlap = load("overlap")
+    log = []
+    trainers = {n: _LoggedTrainer(n, log, s) for n, s in (("a", 1.0), ("b", 2.0), ("c", 3.0))}
+    syncs = []
+    seconds, wall = overlap.overlapped_block(trainers, ["b", "c", "a"], lambda: syncs.append(len(log)))
+    assert log == ["queue b", "queue c", "read b", "queue a", "read c", "read a"]
+    assert seconds == {"c": 3.0, "a": 1.0} and wall >= 0 and syncs == [0]  # b led in from an idle device
+    log.clear()
+    seconds, _ = overlap.settled_block(trainers, ["c", "a", "b"], lambda: None)
+    assert log == ["queue c", "read c", "queue a", "read a", "queue b", "read b"] and seconds == {"a": 1, "b": 2, "c": 3}
+
+
+def test_the_overlap_benchmark_pairs_each_arms_kinds_round_by_round():
+    overlap = load("overlap")
+    trainers = {n: _LoggedTrainer(n, [], s) for n, s in (("a", 1.0), ("b", 2.0))}
+    result = overlap.run(trainers, 6, lambda: None, say=lambda line: None)
+    # the arm that leads a round's overlapped block has no overlapped time that round; the order rotates
+    assert result["times"]["overlapped"]["a"] == [None, 1.0] * 3 and result["times"]["settled"]["a"] == [1.0] * 6
+    assert result["times"]["overlapped"]["b"] == [2.0, None] * 3
+    # ten rounds in which a's overlapped updates are 0.25 s faster than its settled ones, b's as fast
+    result["times"]["overlapped"]["a"] = [None, 0.75] * 5
+    result["times"]["settled"]["a"] = [1.0] * 10
+    result["times"]["overlapped"]["b"] = [2.0, None] * 5
+    result["times"]["settled"]["b"] = [2.0] * 10
+    result["wall_per_update"] = {"settled": [1.5] * 10, "overlapped": [1.4] * 10}
+    summary, lines = overlap.summarize(result)
+    assert summary["arms"]["a"]["overlapped_less_settled_ms"][0] == pytest.approx(-250.0)
+    assert summary["arms"]["a"]["rounds"] == 4 and summary["arms"]["b"]["rounds"] == 4
+    assert summary["arms"]["b"]["overlapped_less_settled_ms"][0] == pytest.approx(0.0)
+    assert summary["wall_overlapped_less_settled_ms"][0] == pytest.approx(-100.0)
+    assert any(line.startswith("| a | 1.0000 | 0.7500 | -250.0") for line in lines)
