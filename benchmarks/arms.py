@@ -464,6 +464,20 @@ def memory_at_peak(trainer: Trainer, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def build_resident(names: list[str], base: config_mod.Config) -> tuple[rt.Runtime, dict]:
+    """Every arm of `names` built from one initialization, all resident and compiled side by side (the arms of
+    host_lead.py and overlap.py): (the runtime, {name: arm})."""
+    runtime = rt.resolve(base.train)
+    # Kept on the host, so it is in no arm's memory figures.
+    init_state = {k: v.detach().cpu().clone() for k, v in build_model(base, runtime).state_dict().items()}
+    keep_compiled_side_by_side()
+    built = {}
+    for name in names:
+        print(f"== build {name}", flush=True)
+        built[name] = build_arm(name, base, init_state)
+    return runtime, built
+
+
 def build_arm(name: str, base: config_mod.Config, init_state: dict) -> dict:
     """One arm's trainer, compiled and warmed (one forward and backward, no optimizer step, data rewound)."""
     cfg = copy.deepcopy(base)

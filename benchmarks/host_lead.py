@@ -31,8 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import arms as arms_bench  # noqa: E402
 from creditlab import config as config_mod  # noqa: E402
 from creditlab import runtime as rt  # noqa: E402
-from creditlab.arms_runner import keep_compiled_side_by_side, rotation, round_difference_ms  # noqa: E402
-from creditlab.train import build_model  # noqa: E402
+from creditlab.arms_runner import rotation, round_difference_ms  # noqa: E402
 
 
 KINDS = ("plain", "led", "rested")
@@ -89,14 +88,7 @@ def main() -> int:
     out = rt.gpu_benchmark_folder(args.out)
     if out is None:
         return 2
-    base = config_mod.load(args.preset, args.overrides)
-    runtime = rt.resolve(base.train)
-    init_state = {k: v.detach().cpu().clone() for k, v in build_model(base, runtime).state_dict().items()}
-    keep_compiled_side_by_side()
-    built = {}
-    for name in names:
-        print(f"== build {name}", flush=True)
-        built[name] = arms_bench.build_arm(name, base, init_state)
+    runtime, built = arms_bench.build_resident(names, config_mod.load(args.preset, args.overrides))
     cycles = sleep_cycles(args.lead_ms)
     times = {kind: {n: [] for n in names} for kind in KINDS}
     sleeps = []

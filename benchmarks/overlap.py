@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import arms as arms_bench  # noqa: E402
 from creditlab import config as config_mod  # noqa: E402
 from creditlab import runtime as rt  # noqa: E402
-from creditlab.arms_runner import keep_compiled_side_by_side, rotation, round_difference_ms  # noqa: E402
+from creditlab.arms_runner import rotation, round_difference_ms  # noqa: E402
 
 BLOCKS = ("settled", "overlapped")
 SKIP = 2  # rounds left out: the first compile and warm
@@ -128,16 +128,8 @@ def main() -> int:
         return 2
     import torch
 
-    from creditlab.train import build_model
-
-    base = config_mod.load(args.preset, args.overrides)
-    runtime = rt.resolve(base.train)
-    init_state = {k: v.detach().cpu().clone() for k, v in build_model(base, runtime).state_dict().items()}
-    keep_compiled_side_by_side()
-    trainers = {}
-    for name in names:
-        print(f"== build {name}", flush=True)
-        trainers[name] = arms_bench.build_arm(name, base, init_state)["trainer"]
+    runtime, built = arms_bench.build_resident(names, config_mod.load(args.preset, args.overrides))
+    trainers = {name: arm["trainer"] for name, arm in built.items()}
     result = run(trainers, args.rounds, torch.cuda.synchronize, say=lambda line: print(line, flush=True))
     summary, lines = summarize(result)
     lines = ["# Settled and overlapped updates side by side", "",
