@@ -464,6 +464,29 @@ def memory_at_peak(trainer: Trainer, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def resident_parser(doc: str, arms: str, rounds: int) -> argparse.ArgumentParser:
+    """The arguments of a benchmark over resident arms (host_lead.py, overlap.py); a script adds its own."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", required=True, help="output folder")
+    ap.add_argument("--arms", default=arms)
+    ap.add_argument("--preset", default="seed")
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    return ap
+
+
+def parse_resident(ap: argparse.ArgumentParser) -> tuple[argparse.Namespace, list[str]]:
+    """(args, arm names) of a resident_parser, the names checked and the rounds enough for a median after the
+    first two (which compile and warm)."""
+    args = ap.parse_args()
+    if args.rounds < 5:
+        ap.error("--rounds must be at least 5 (the first two are left out, and a median needs three)")
+    names = args.arms.split(",")
+    for name in names:
+        overrides_of(name)  # fail on a misspelt arm before any GPU time is spent
+    return args, names
+
+
 def build_resident(names: list[str], base: config_mod.Config) -> tuple[rt.Runtime, dict]:
     """Every arm of `names` built from one initialization, all resident and compiled side by side (the arms of
     host_lead.py and overlap.py): (the runtime, {name: arm})."""

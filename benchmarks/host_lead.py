@@ -17,7 +17,6 @@ interleaved, the three kinds of update in a rotating order.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -72,19 +71,9 @@ def led_update(trainer, cycles: int) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="output folder")
-    ap.add_argument("--arms", default="native,zero,learned")
-    ap.add_argument("--preset", default="seed")
-    ap.add_argument("--rounds", type=int, default=12)
+    ap = arms_bench.resident_parser(__doc__, "native,zero,learned", 12)
     ap.add_argument("--lead-ms", type=float, default=40.0)
-    ap.add_argument("--set", dest="overrides", action="append", default=[])
-    args = ap.parse_args()
-    if args.rounds < 5:
-        ap.error("--rounds must be at least 5 (the first two are left out, and a median needs three)")
-    names = args.arms.split(",")
-    for name in names:
-        arms_bench.overrides_of(name)
+    args, names = arms_bench.parse_resident(ap)
     out = rt.gpu_benchmark_folder(args.out)
     if out is None:
         return 2

@@ -16,7 +16,6 @@ as `arms.py` builds them (same initialization, same micro-batches).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -109,20 +108,10 @@ def summarize(result: dict) -> tuple[dict, list[str]]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="output folder")
-    ap.add_argument("--arms", default="native,learned")
-    ap.add_argument("--preset", default="seed")
-    ap.add_argument("--rounds", type=int, default=16)
-    ap.add_argument("--set", dest="overrides", action="append", default=[])
-    args = ap.parse_args()
-    names = args.arms.split(",")
+    ap = arms_bench.resident_parser(__doc__, "native,learned", 16)
+    args, names = arms_bench.parse_resident(ap)
     if len(names) < 2:
         ap.error("--arms needs at least two arms (an overlapped update follows another arm's)")
-    if args.rounds < SKIP + 3:
-        ap.error(f"--rounds must be at least {SKIP + 3} (the first {SKIP} are left out, and a median needs three)")
-    for name in names:
-        arms_bench.overrides_of(name)
     out = rt.gpu_benchmark_folder(args.out)
     if out is None:
         return 2

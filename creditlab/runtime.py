@@ -222,10 +222,6 @@ class InFlight:
         if before is not None:
             before()
 
-    @property
-    def holding(self) -> bool:
-        return self._read is not None
-
 
 def peak_memory_mib(runtime: Runtime) -> tuple[float | None, float | None]:
     """(allocated, reserved) peaks since the last reset, in MiB; None on the CPU."""

@@ -176,7 +176,7 @@ class Trainer:
             # What the host reads of the update, gathered before the step (the gradients are zeroed after it)
             names, norms = self._grad_norms()
             stacked = torch.stack(losses)
-            readback = rt.HostCopy(torch.cat([stacked.mean().view(1), stacked.view(-1), norms.to(stacked.dtype)]))
+            readback = rt.HostCopy(torch.cat([stacked.mean().view(1), stacked, norms.to(stacked.dtype)]))
             lr_scale = self.optimizers.step(update)
             self.optimizers.zero_grad()
             # After the model's step, so that whatever of the fit's report a source reads on the host waits for
