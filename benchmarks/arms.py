@@ -487,12 +487,16 @@ def parse_resident(ap: argparse.ArgumentParser) -> tuple[argparse.Namespace, lis
     return args, names
 
 
+def initial_state(base: config_mod.Config, runtime: rt.Runtime) -> dict:
+    """The model state every arm starts from, kept on the host so that it is in no arm's memory figures."""
+    return {k: v.detach().cpu().clone() for k, v in build_model(base, runtime).state_dict().items()}
+
+
 def build_resident(names: list[str], base: config_mod.Config) -> tuple[rt.Runtime, dict]:
     """Every arm of `names` built from one initialization, all resident and compiled side by side (the arms of
     host_lead.py and overlap.py): (the runtime, {name: arm})."""
     runtime = rt.resolve(base.train)
-    # Kept on the host, so it is in no arm's memory figures.
-    init_state = {k: v.detach().cpu().clone() for k, v in build_model(base, runtime).state_dict().items()}
+    init_state = initial_state(base, runtime)
     keep_compiled_side_by_side()
     built = {}
     for name in names:
@@ -557,25 +561,20 @@ class CollectorTime:
         return total
 
 
-def run_update(arm: dict, own: OwnMemory, collector: CollectorTime) -> None:
+def run_update(arm: dict, own: OwnMemory, collector: CollectorTime, in_flight: rt.InFlight | None = None) -> None:
     """One timed update of an arm, its memory peak counted as if it ran alone (see OwnMemory), and the time
-    Python's collector took during it."""
-    collector.take()
-    start = time.perf_counter()
-    row = own.update(arm["name"], arm["trainer"].train_update)
-    arm["wall_s"] += time.perf_counter() - start
-    arm["rows"].append(row)
-    arm.setdefault("gc_s", []).append(collector.take())
-
-
-def queue_update(arm: dict, own: OwnMemory, collector: CollectorTime, in_flight: rt.InFlight) -> None:
-    """As run_update, with the update queued and its row read once the next update (of any arm) is queued."""
+    Python's collector took during it. With `in_flight` (the overlapped schedule) the update is queued and its row
+    read once the next update (of any arm) is queued; the arm's wall time then counts the host's time to queue it
+    and to read the one before."""
     collector.take()
     trainer = arm["trainer"]
     start = time.perf_counter()
-    in_flight.launch(lambda: own.update(arm["name"], trainer.queue_update),
-                     lambda queued: arm["rows"].append(trainer.read_update(queued)))
-    arm["wall_s"] += time.perf_counter() - start  # the host's time to queue it (and to read the one before)
+    if in_flight is None:
+        arm["rows"].append(own.update(arm["name"], trainer.train_update))
+    else:
+        in_flight.launch(lambda: own.update(arm["name"], trainer.queue_update),
+                         lambda queued: arm["rows"].append(trainer.read_update(queued)))
+    arm["wall_s"] += time.perf_counter() - start
     arm.setdefault("gc_s", []).append(collector.take())
 
 
@@ -733,8 +732,7 @@ def main() -> int:
     base = config_mod.load(args.preset, args.overrides)
     runtime = rt.resolve(base.train)
     base_peak = rt.measure_matmul_tflops(runtime)
-    # Kept on the host, so it is in no arm's memory figures.
-    init_state = {k: v.detach().cpu().clone() for k, v in build_model(base, runtime).state_dict().items()}
+    init_state = initial_state(base, runtime)
     gc.collect()
     torch.cuda.empty_cache()
     meta = {"preset": args.preset, "overrides": args.overrides, "updates": args.updates, "schedule": args.schedule,
@@ -810,10 +808,7 @@ def main() -> int:
 
         def step(at) -> bool:
             try:
-                if overlapped:
-                    queue_update(arms[at.arm], own, collector, in_flight)
-                else:
-                    run_update(arms[at.arm], own, collector)
+                run_update(arms[at.arm], own, collector, in_flight if overlapped else None)
                 return True
             except torch.OutOfMemoryError as exc:
                 release(arms[at.arm])

@@ -418,7 +418,7 @@ def test_overlapped_arms_read_each_update_once_the_next_is_queued_into_its_own_a
     read = []  # rows read after each queued update
 
     def step(at):
-        arms.queue_update(built[at.arm], own, collector, in_flight)
+        arms.run_update(built[at.arm], own, collector, in_flight)
         read.append(sum(len(a["rows"]) for a in built.values()))
 
     run_rounds(list(built), 3, step)
