@@ -168,7 +168,7 @@ def test_an_empty_corpus_is_refused(tmp_path, capsys) -> None:
     assert data_cli.main(["data", "prepare", "--source", f"dir:{root}", "--out", str(tmp_path / "out"),
                           "--vocab-size", "300", "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "no documents with text" in err and err.count("\n") == 1
+    assert err.startswith("creditlab: error: ") and "no documents with text" in err and err.count("\n") == 1
 
 
 def test_a_split_with_a_share_but_no_document_is_refused(tmp_path) -> None:

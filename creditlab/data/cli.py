@@ -67,7 +67,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
                           force=args.force, progress=not args.no_progress,
                           tokenizer_sample_mb=args.tokenizer_sample_mb)
     except _USER_ERRORS + (ValueError,) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"creditlab: error: {e}", file=sys.stderr)
         return 2
     print(format_info(args.out, summary))
     return 0
@@ -79,7 +79,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         # Sizes are cheap and catch truncated or swapped shards; hashes are --verify's (seconds per GB).
         problems = verify(args.dir) if args.verify else size_problems(args.dir)
     except _USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"creditlab: error: {e}", file=sys.stderr)
         return 2
     check = "verify" if args.verify else "size_check"
     if args.json:
