@@ -33,7 +33,10 @@ def norm_with_scale(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     returned in x's dtype (autocast would keep float32)."""
     x32 = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
     scale = torch.rsqrt(x32.square().mean(-1, keepdim=True) + 1e-6)
-    return (x32 * scale).to(x.dtype), scale
+    n = x32 * scale
+    # No same-dtype .to(): torch 2.11's compiler drops the gradient of an autograd.Function whose output is one
+    # (n in float32 came back from the keep_output norm's compiled backward as zeros).
+    return (n if n.dtype == x.dtype else n.to(x.dtype)), scale
 
 
 def norm(x: torch.Tensor) -> torch.Tensor:

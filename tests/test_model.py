@@ -302,6 +302,31 @@ def test_the_model_compiles_to_one_graph(mlp, qk, norm, gate):
         assert explained.graph_break_count == 0, explained.break_reasons
 
 
+@pytest.mark.parametrize("mlp, qk, norm, gate", [("plain", "plain", "plain", "plain"),
+                                                ("fused", "fused", "keep_output", "fused"),
+                                                ("fused", "product", "keep_output", "plain")])
+def test_the_compiled_model_gives_the_eager_gradients(mlp, qk, norm, gate):
+    """Every parameter's gradient through the compiler (aot_eager: no C++ toolchain needed) equals the eager
+    engine's, in float32, with every weight random: zero-initialized projections give every branch's input a
+    zero gradient, which hides a wrong branch backward (torch 2.11 compiled the keep_output norm's backward to
+    zeros while its output was a same-dtype .to(); the first two updates of a fresh model trained identically)."""
+    cfg = small_cfg(f"model.mlp={mlp}", f"model.qk={qk}", f"model.norm={norm}", f"model.attn_gate={gate}",
+                    *(["model.recompute=mlp"] if mlp == "plain" else []))
+    model = randomize(GPT(cfg))
+    idx, tgt = tokens(cfg, batch=2, seed=3)
+    grads = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        forward = torch.compile(model, backend="aot_eager") if compiled else model
+        model.zero_grad(set_to_none=True)
+        forward(idx, tgt).backward()
+        grads[compiled] = {name: p.grad.clone() for name, p in model.named_parameters()}
+    for name, eager in grads[False].items():
+        assert eager.abs().max() > 0, name  # every parameter's path is live
+        torch.testing.assert_close(grads[True][name], eager, rtol=1e-5, atol=1e-6 * eager.abs().max().item(),
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_the_fused_modules_operators_declare_their_outputs_truthfully():
     # what the compiler is told of each operator (its fake implementation) is what the operator returns
     from creditlab import qk_norm, relu2
