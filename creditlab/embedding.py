@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from creditlab import kernels
 from creditlab.kernels import embedding_grad as grad_kernel
+from creditlab.runtime import cast
 
 
 @torch.library.custom_op("creditlab::embedding_grads", mutates_args=())
@@ -36,7 +37,7 @@ def _(ids, grads, vocab, dtype):
 
 def _lookup(ids: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     rows = F.embedding(ids, weight)
-    return rows if dtype is None else rows.to(dtype)
+    return rows if dtype is None else cast(rows, dtype)
 
 
 class _Lookups(torch.autograd.Function):

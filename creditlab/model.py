@@ -26,6 +26,7 @@ from creditlab.embedding import lookups
 from creditlab.loss import head_loss, head_loss_sum
 from creditlab.qk_norm import QKEpilogue, qk_norm_rotary
 from creditlab.relu2 import expand_relu2, project_relu2
+from creditlab.runtime import cast
 
 
 def norm_with_scale(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,10 +34,7 @@ def norm_with_scale(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     returned in x's dtype (autocast would keep float32)."""
     x32 = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
     scale = torch.rsqrt(x32.square().mean(-1, keepdim=True) + 1e-6)
-    n = x32 * scale
-    # No same-dtype .to(): torch 2.11's compiler drops the gradient of an autograd.Function whose output is one
-    # (n in float32 came back from the keep_output norm's compiled backward as zeros).
-    return (n if n.dtype == x.dtype else n.to(x.dtype)), scale
+    return cast(x32 * scale, x.dtype), scale
 
 
 def norm(x: torch.Tensor) -> torch.Tensor:

@@ -125,6 +125,12 @@ def maybe_compile(fn, runtime: Runtime, activation_budget: float = 1.0, mode: st
     return call
 
 
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in dtype: t itself where it already is, never a same-dtype .to(). torch 2.11's compiler drops the
+    gradient of an autograd.Function whose output is such a .to() (its compiled backward gave zeros)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 class Timer:
     """Synchronized wall time of a region."""
 

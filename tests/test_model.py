@@ -311,6 +311,7 @@ def test_the_compiled_model_gives_the_eager_gradients(mlp, qk, norm, gate):
     zero gradient, which hides a wrong branch backward (torch 2.11 compiled the keep_output norm's backward to
     zeros while its output was a same-dtype .to(); the first two updates of a fresh model trained identically)."""
     cfg = small_cfg(f"model.mlp={mlp}", f"model.qk={qk}", f"model.norm={norm}", f"model.attn_gate={gate}",
+                    f"model.embed={'fused' if gate == 'fused' else 'plain'}",
                     *(["model.recompute=mlp"] if mlp == "plain" else []))
     model = randomize(GPT(cfg))
     idx, tgt = tokens(cfg, batch=2, seed=3)
@@ -325,6 +326,29 @@ def test_the_compiled_model_gives_the_eager_gradients(mlp, qk, norm, gate):
         assert eager.abs().max() > 0, name  # every parameter's path is live
         torch.testing.assert_close(grads[True][name], eager, rtol=1e-5, atol=1e-6 * eager.abs().max().item(),
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("dtype", [None, torch.float32, torch.float64])
+def test_the_lookups_through_the_compiler_give_the_eager_gradients(dtype, fused):
+    """The embedding lookups cast to a dtype (the autocast dtype on CUDA), here also the tables' own: torch 2.11
+    compiled the fused lookups' backward wrong where the cast was a same-dtype .to()."""
+    from creditlab.embedding import lookups
+
+    g = torch.Generator().manual_seed(0)
+    tables = [torch.randn(11, 8, generator=g, requires_grad=True) for _ in range(3)]
+    ids = torch.randint(0, 11, (2, 5), generator=g)
+
+    def loss(*tables):
+        x0, *ves = lookups(ids, list(tables), dtype, fused=fused)
+        return sum(((x0 * ve) ** 2).sum() + (ve * i).sum() for i, ve in enumerate(ves, 2)) + (3 * x0).sum()
+
+    eager = torch.autograd.grad(loss(*tables), tables)
+    torch._dynamo.reset()
+    compiled = torch.autograd.grad(torch.compile(loss, backend="aot_eager")(*tables), tables)
+    for got, want in zip(compiled, eager):
+        assert want.abs().max() > 0
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
 
 
 def test_the_fused_modules_operators_declare_their_outputs_truthfully():
