@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Every seed-preset measurement of the benchmark pages in one go (about 13 minutes on one H200, most of it
-# compilation): the head-loss kernel's configurations; the arms interleaved (the default native step, its
-# recompute choices, the credit sources, the teacher, one teacher in four) with a kernel profile and a
-# breakdown of the native memory peak; the credit arms again in the overlapped loop; board power and clocks
-# sampled every 2 s; what one compiled forward keeps; each generated kernel of native, zero and learned against
-# the card's streaming rate; the head loss with its products in FP8 against bf16, and its chunk loop against the
-# loop it replaced.
+# Every seed-preset measurement of the benchmark pages in one go (about 13 minutes on one H200 without the step
+# check, most of it compilation): the step's gradients against float64; the head-loss kernel's configurations;
+# the arms interleaved (the default native step, its recompute choices, the credit sources, the teacher, one
+# teacher in four) with a kernel profile and a breakdown of the native memory peak; the credit arms again in the
+# overlapped loop; board power and clocks sampled every 2 s; what one compiled forward keeps; each generated
+# kernel of native, zero and learned against the card's streaming rate; the head loss with its products in FP8
+# against bf16, and its chunk loop against the loop it replaced.
 #   bash benchmarks/seed_suite.sh OUT_DIR
 set -uo pipefail
 out=${1:?output folder}
@@ -17,6 +17,7 @@ if command -v nvidia-smi >/dev/null; then
   dmon=$!
   trap 'kill $dmon 2>/dev/null' EXIT
 fi
+python3 "$here/step_gradients.py" --out "$out/step_gradients" 2>&1 | tail -10
 python3 "$here/softcap_ce.py" --out "$out/softcap_ce" 2>&1 | tail -15
 python3 "$here/softcap_ce_held.py" --out "$out/softcap_ce_held" 2>&1 | tail -30
 python3 "$here/embedding_grad.py" --out "$out/embedding_grad" 2>&1 | tail -30

@@ -198,7 +198,7 @@ def test_paired_differences_are_taken_round_by_round():
 
 @pytest.mark.parametrize("script", ["arms", "softcap_ce", "softcap_ce_held", "qk_norm", "relu2_mlp", "fit_rows", "fit_rows_variants", "norm_decode", "fp8_head", "head_loss", "products",
                                     "embedding_grad", "batch_host", "relu2_hopper", "gate_decode", "qkv_rotary", "host_lead",
-                                    "attention_gate", "overlap"])
+                                    "attention_gate", "overlap", "step_gradients"])
 def test_gpu_benchmarks_refuse_a_machine_without_cuda(script, tmp_path, monkeypatch, capsys):
     """Exit 2 with one line, and no output folder made, where no CUDA GPU is visible."""
     import sys

@@ -1,0 +1,112 @@
+"""The step check (creditlab/step_check.py): the trainer's compiled step against its float64 plain reference,
+here with the aot_eager backend (no C++ toolchain needed) in float32 on the CPU."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from creditlab import config
+from creditlab import runtime as rt
+from creditlab import step_check
+from creditlab.model import GPT
+
+TINY = ["model.vocab_size=97", "train.compile=on"]
+
+
+@pytest.fixture
+def aot_eager(monkeypatch):
+    """The trainer's torch.compile with the given backend (aot_eager unless a test passes its own)."""
+    def use(backend="aot_eager"):
+        monkeypatch.setattr(rt.torch, "compile", functools.partial(torch.compile, backend=backend))
+    use()
+    yield use
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("source, kinds", [("exact", ["native"]), ("zero", ["synthetic"]),
+                                           ("learned", ["synthetic", "teacher"])])
+def test_the_compiled_step_agrees_with_the_float64_reference(source, kinds, aot_eager):
+    result = step_check.check_step("tiny", [*TINY, f"credit.source={source}"], say=lambda line: None)
+    assert list(result["errors"]) == kinds
+    assert result["verdict"] == "consistent" and not result["flagged"]
+    names = [name for name, _ in GPT(config.load("tiny", TINY).model).named_parameters()]
+    for errors in result["errors"].values():
+        assert list(errors) == names  # every parameter of the model
+        for err in errors.values():
+            assert 0 < err["compiled"] < 1e-4 and 0 < err["eager"] < 1e-4  # float32 against float64
+
+
+def _dropping_backend(output: int):
+    """aot_eager whose compiled backward returns zeros for its `output`-th gradient: a compiler that drops one."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def forward(gm, example_inputs):
+        return make_boxed_func(gm.forward)
+
+    def backward(gm, example_inputs):
+        def run(*args):
+            outs = list(gm(*args))
+            outs[output] = torch.zeros_like(outs[output])
+            return outs
+        return make_boxed_func(run)
+
+    return aot_autograd(fw_compiler=forward, bw_compiler=backward)
+
+
+def test_a_compiler_that_drops_a_gradient_is_flagged(aot_eager):
+    aot_eager(_dropping_backend(output=1))
+    result = step_check.check_step("tiny", [*TINY, "credit.source=exact"], say=lambda line: None)
+    assert result["verdict"] == "INCONSISTENT"
+    flagged = {f["parameter"] for f in result["flagged"]}
+    assert flagged  # the dropped gradient, and whatever it reaches
+    for f in result["flagged"]:
+        assert f["why"] == "compiled over eager" and f["eager"] < 1e-4
+        assert f["compiled"] > step_check.COMPILED_OVER_EAGER * f["eager"]
+
+
+def test_a_wrong_function_in_both_steps_is_flagged(aot_eager, monkeypatch):
+    # The keep_output norm's backward (the fused steps') doubled; the reference's plain norm is autograd's.
+    from creditlab import model
+
+    backward = model.norm_backward
+    monkeypatch.setattr(model, "norm_backward", lambda dn, n, scale: 2 * backward(dn, n, scale))
+    result = step_check.check_step("tiny", [*TINY, "credit.source=exact", "model.norm=keep_output"],
+                                   say=lambda line: None)
+    assert result["verdict"] == "INCONSISTENT"
+    assert result["flagged"] and all(f["why"] == "over the ceiling" for f in result["flagged"])
+    assert all(f["compiled"] > step_check.CEILING and f["eager"] > step_check.CEILING for f in result["flagged"])
+
+
+def test_the_benchmark_writes_every_arms_table_and_exits_1_when_anything_is_flagged(tmp_path, monkeypatch, aot_eager):
+    """benchmarks/step_gradients.py end to end on the CPU (its GPU-only parts stood in for): the table has a row
+    per arm and kind, the JSON every parameter; a dropped gradient makes the verdict and the exit status."""
+    import json
+    import sys
+
+    from benchmark_scripts import load
+
+    script = load("step_gradients")
+    monkeypatch.setattr(script, "gpu_benchmark_folder", lambda out: (tmp_path / out).resolve())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "cpu")
+    argv = ["step_gradients.py", "--preset", "tiny", "--arms", "native,learned", "--set", "model.vocab_size=97",
+            "--set", "train.compile=on"]
+    (tmp_path / "good").mkdir()
+    monkeypatch.setattr(sys, "argv", [*argv, "--out", "good"])
+    assert script.main() == 0
+    table = (tmp_path / "good" / "step_gradients.md").read_text()
+    assert [line.split(" | ")[:2] for line in table.splitlines() if line.startswith("| native") or
+            line.startswith("| learned")] == [["| native", "native"], ["| learned", "synthetic"],
+                                               ["| learned", "teacher"]]
+    assert "Verdict: **consistent**" in table
+    result = json.loads((tmp_path / "good" / "step_gradients.json").read_text())
+    assert set(result["arms"]["learned"]["errors"]) == {"synthetic", "teacher"}
+
+    aot_eager(_dropping_backend(output=1))
+    (tmp_path / "bad").mkdir()
+    monkeypatch.setattr(sys, "argv", [*argv, "--out", "bad"])
+    assert script.main() == 1
+    assert "Verdict: **INCONSISTENT**" in (tmp_path / "bad" / "step_gradients.md").read_text()
