@@ -7,10 +7,11 @@ its eager step against the same step in float64 on the CPU, every module at its 
 
 One micro-batch of each kind an arm trains with (native; synthetic; synthetic and teacher), from random weights
 (no zero projection or head) and the same tokens in all three. Per arm and kind: each parameter's gradient error
-||g - g_ref|| / ||g_ref||, compiled and eager; the eager error is the precision's, so a compiled error above it
-is the compiler's. A parameter is flagged where the compiled error is over twice eager's (and over 1e-3), or
-either is over 0.1. Writes DIR/step_gradients.json (every parameter) and DIR/step_gradients.md; exits 1 when
-anything is flagged. Any CUDA machine.
+||g - g_ref|| / ||g_ref||, compiled and eager (on a teacher micro-batch also the fit's: the predictor's gradients
+and the fit's statistics); the eager error is the precision's, so a compiled error above it is the compiler's. A
+parameter is flagged where the compiled error is over twice eager's (and over 1e-3), or either is over 0.1.
+Writes DIR/step_gradients.json (every parameter) and DIR/step_gradients.md; exits 1 when anything is flagged.
+Any CUDA machine.
 """
 
 from __future__ import annotations

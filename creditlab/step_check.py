@@ -10,7 +10,8 @@ weights and inputs:
 * **eager**: the same step with the compiler off (same precision, same kernels);
 * **reference**: float64 on the CPU, eager, with every fused module, kernel and option at its plain form.
 
-and gives each parameter's gradient error against the reference, ||g - g_ref|| / ||g_ref||. Eager's error is
+and gives each parameter's gradient error against the reference, ||g - g_ref|| / ||g_ref|| (on a teacher
+micro-batch also what the fit gives the predictor: its gradients, statistics and moments). Eager's error is
 the precision's; a compiled error far above it is the compiler's (one torch version compiled an autograd
 Function's backward to zeros), and an error far above the precision in both is a kernel's or a Function's.
 Every weight is random: the zero-initialized projections and head would give every branch's input a zero
@@ -71,16 +72,26 @@ def randomize(trainer, seed: int) -> None:
 
 
 def gradients(trainer, inputs: torch.Tensor, targets: torch.Tensor, kind: str) -> dict[str, torch.Tensor]:
-    """Every model parameter's gradient of one micro-batch of `kind` through the trainer's own step, in float64
-    on the CPU."""
+    """What one micro-batch of `kind` through the trainer's own step computes, in float64 on the CPU: every model
+    parameter's gradient and, where the source fits (a teacher micro-batch), the gradients its fit gave the
+    source's parameters (`source.NAME`), the fit's statistics of each branch (`source.fit_statistics`) and with
+    credit.fit=lstsq its moments (`source.fit_gram`, `source.fit_cross`)."""
     trainer.model.zero_grad(set_to_none=True)
+    trainer.source.zero_grad(set_to_none=True)
     device = trainer.runtime.device
     inputs, targets = inputs.to(device), targets.to(device)
     credit = trainer.source.context(trainer, inputs, targets, kind, 1.0)
     trainer.forward_backward(inputs, targets, credit, 1.0)
     trainer.source.after_backward(trainer, credit, kind)
-    return {name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().to("cpu", torch.float64)
-            for name, p in trainer.model.named_parameters()}
+    found = {name: p.grad if p.grad is not None else torch.zeros_like(p)
+             for name, p in trainer.model.named_parameters()}
+    found |= {f"source.{name}": p.grad for name, p in trainer.source.named_parameters() if p.grad is not None}
+    teacher = getattr(trainer.source, "teacher", None)
+    if kind == "teacher" and getattr(teacher, "stats", None):
+        found["source.fit_statistics"] = teacher.stats[-1]
+        if getattr(teacher, "moment_sums", None) is not None:  # credit.fit=lstsq: one micro-batch's moments
+            found |= {"source.fit_gram": teacher.moment_sums[0], "source.fit_cross": teacher.moment_sums[1]}
+    return {name: t.detach().to("cpu", torch.float64) for name, t in found.items()}
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -112,7 +123,9 @@ def check_step(preset: str, overrides, micro_batch: int = 2, seed: int = 0, say=
     for kind in kinds_of(made["compiled"].source):
         grads = {way: gradients(trainer, inputs, targets, kind) for way, trainer in made.items()}
         reference = grads["reference"]
-        errors[kind] = {name: {way: relative_error(grads[way][name], want) for way in ("compiled", "eager")}
+        # what the reference computes and a step left out counts as zeros
+        errors[kind] = {name: {way: relative_error(grads[way].get(name, torch.zeros_like(want)), want)
+                               for way in ("compiled", "eager")}
                         for name, want in reference.items()}
         for name, err in errors[kind].items():
             compiled, eager = err["compiled"], err["eager"]

@@ -27,14 +27,19 @@ def aot_eager(monkeypatch):
 
 
 @pytest.mark.parametrize("source, kinds", [("exact", ["native"]), ("zero", ["synthetic"]),
-                                           ("learned", ["synthetic", "teacher"])])
+                                           ("learned", ["synthetic", "teacher"]),
+                                           ("learned@credit.fit=lstsq", ["synthetic", "teacher"])])
 def test_the_compiled_step_agrees_with_the_float64_reference(source, kinds, aot_eager):
-    result = step_check.check_step("tiny", [*TINY, f"credit.source={source}"], say=lambda line: None)
+    source, *extra = source.split("@")
+    result = step_check.check_step("tiny", [*TINY, f"credit.source={source}", *extra], say=lambda line: None)
     assert list(result["errors"]) == kinds
     assert result["verdict"] == "consistent" and not result["flagged"]
     names = [name for name, _ in GPT(config.load("tiny", TINY).model).named_parameters()]
-    for errors in result["errors"].values():
-        assert list(errors) == names  # every parameter of the model
+    for kind, errors in result["errors"].items():
+        assert list(errors)[:len(names)] == names  # every parameter of the model
+        fitted = list(errors)[len(names):]  # and on a teacher micro-batch, what the fit gave the source
+        assert ("source.fit_statistics" in fitted and "source.predictor.decoders" in fitted) == (kind == "teacher")
+        assert ("source.fit_gram" in fitted and "source.fit_cross" in fitted) == (kind == "teacher" and bool(extra))
         for err in errors.values():
             assert 0 < err["compiled"] < 1e-4 and 0 < err["eager"] < 1e-4  # float32 against float64
 
