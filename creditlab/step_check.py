@@ -21,6 +21,7 @@ gradient and hide a wrong branch backward.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -112,6 +113,9 @@ def check_step(preset: str, overrides, micro_batch: int = 2, seed: int = 0, say=
         cfg = config_mod.load(preset, [*overrides, *extra])
         loader = SyntheticLoader(cfg.model.vocab_size, micro_batch, cfg.model.seq_len, seed=seed)
         made[way] = Trainer(cfg, loader=loader)
+    if not made["compiled"].runtime.compile:
+        raise config_mod.ConfigError("the step check compares the compiled step with the eager one, but "
+                                     "train.compile is off here; drop that override (or set train.compile=on)")
     randomize(made["compiled"], seed)
     for way in ("eager", "reference"):  # the same weights: load_state_dict casts to each model's dtype
         made[way].model.load_state_dict(made["compiled"].model.state_dict())
@@ -121,7 +125,9 @@ def check_step(preset: str, overrides, micro_batch: int = 2, seed: int = 0, say=
 
     errors, flagged = {}, []
     for kind in kinds_of(made["compiled"].source):
-        grads = {way: gradients(trainer, inputs, targets, kind) for way, trainer in made.items()}
+        with warnings.catch_warnings():  # a compiler that fails must not be checked as its eager fallback
+            warnings.filterwarnings("error", message="torch.compile failed")
+            grads = {way: gradients(trainer, inputs, targets, kind) for way, trainer in made.items()}
         reference = grads["reference"]
         # what the reference computes and a step left out counts as zeros
         errors[kind] = {name: {way: relative_error(grads[way].get(name, torch.zeros_like(want)), want)

@@ -115,3 +115,15 @@ def test_the_benchmark_writes_every_arms_table_and_exits_1_when_anything_is_flag
     monkeypatch.setattr(sys, "argv", [*argv, "--out", "bad"])
     assert script.main() == 1
     assert "Verdict: **INCONSISTENT**" in (tmp_path / "bad" / "step_gradients.md").read_text()
+
+
+def test_the_check_refuses_a_step_that_is_not_compiled_and_a_compiler_that_falls_back(aot_eager):
+    with pytest.raises(config.ConfigError, match="train.compile is off"):
+        step_check.check_step("tiny", ["model.vocab_size=97", "credit.source=exact"])  # the CPU's default: off
+
+    def failing(gm, example_inputs):
+        raise RuntimeError("this backend cannot compile")
+
+    aot_eager(failing)
+    with pytest.raises(Exception, match="torch.compile failed"):
+        step_check.check_step("tiny", [*TINY, "credit.source=exact"], say=lambda line: None)
