@@ -38,15 +38,20 @@ def seed_structure() -> ModelConfig:
 def randomized_model(cfg: ModelConfig, seed: int) -> GPT:
     """A float64 model with every parameter random: no zero projections, non-trivial scalars and gates."""
     torch.manual_seed(seed)
-    model = GPT(cfg).double()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "embed" in name:
-                p.normal_(0.0, 1.0)
-            elif p.ndim >= 2:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
-            else:
-                p.uniform_(0.5, 1.5)  # mixes, value lambdas, skip weights: away from 0 and 1
+    return randomize_(GPT(cfg).double())
+
+
+@torch.no_grad()
+def randomize_(model: GPT) -> GPT:
+    """Every parameter of `model` random, in place, from torch's generators: embeddings N(0, 1), matrices
+    N(0, 1/fan_in), scalars in [0.5, 1.5]."""
+    for name, p in model.named_parameters():
+        if "embed" in name:
+            p.normal_(0.0, 1.0)
+        elif p.ndim >= 2:
+            p.normal_(0.0, p.shape[-1] ** -0.5)
+        else:
+            p.uniform_(0.5, 1.5)  # mixes, value lambdas, skip weights: away from 0 and 1
     return model
 
 
@@ -62,13 +67,15 @@ def _trunk_grads(model: GPT, idx, targets, credit) -> dict[str, torch.Tensor]:
     return {name: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for name, p in model.trunk_parameters()}
 
 
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| (the difference itself where want is zero)."""
+    scale = want.norm().item()
+    diff = (got - want).norm().item()
+    return diff / scale if scale > 0 else diff
+
+
 def _rel_errors(got: dict, ref: dict) -> dict[str, float]:
-    out = {}
-    for name, r in ref.items():
-        denom = r.norm().item()
-        diff = (got[name] - r).norm().item()
-        out[name] = diff / denom if denom > 0 else diff
-    return out
+    return {name: relative_error(got[name], r) for name, r in ref.items()}
 
 
 class _WeightReads(TorchDispatchMode):

@@ -26,6 +26,7 @@ import warnings
 import torch
 
 from creditlab import config as config_mod
+from creditlab.checks import randomize_, relative_error
 from creditlab.data import SyntheticLoader
 
 # The options whose fused forms the reference replaces by torch arithmetic (the defaults of records that predate
@@ -53,23 +54,13 @@ def kinds_of(source) -> list[str]:
 
 @torch.no_grad()
 def randomize(trainer, seed: int) -> None:
-    """Every weight of the trainer's model random (embeddings N(0, 1), matrices N(0, 1/fan_in), scalars in
-    [0.5, 1.5]), and the source's all-zero parameters (the learned predictor's decoders) N(0, 0.3^2)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def fill(p, sample):
-        p.copy_(sample(p.shape).to(p.dtype))
-
-    for name, p in trainer.model.named_parameters():
-        if "embed" in name:
-            fill(p, lambda shape: torch.randn(shape, generator=g))
-        elif p.ndim >= 2:
-            fill(p, lambda shape: torch.randn(shape, generator=g) * shape[-1] ** -0.5)
-        else:
-            fill(p, lambda shape: 0.5 + torch.rand(shape, generator=g))
+    """Every weight of the trainer's model random (checks.randomize_), and the source's all-zero parameters (the
+    learned predictor's decoders) N(0, 0.3^2)."""
+    torch.manual_seed(seed)
+    randomize_(trainer.model)
     for p in trainer.source.parameters():
         if p.numel() and not p.any():
-            fill(p, lambda shape: 0.3 * torch.randn(shape, generator=g))
+            p.normal_(0.0, 0.3)
 
 
 def gradients(trainer, inputs: torch.Tensor, targets: torch.Tensor, kind: str) -> dict[str, torch.Tensor]:
@@ -93,12 +84,6 @@ def gradients(trainer, inputs: torch.Tensor, targets: torch.Tensor, kind: str) -
         if getattr(teacher, "moment_sums", None) is not None:  # credit.fit=lstsq: one micro-batch's moments
             found |= {"source.fit_gram": teacher.moment_sums[0], "source.fit_cross": teacher.moment_sums[1]}
     return {name: t.detach().to("cpu", torch.float64) for name, t in found.items()}
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    scale = want.norm().item()
-    diff = (got - want).norm().item()
-    return diff / scale if scale > 0 else diff
 
 
 def check_step(preset: str, overrides, micro_batch: int = 2, seed: int = 0, say=print) -> dict:
