@@ -7,17 +7,33 @@ it against float64 arithmetic without a GPU (tests/kernel_checks.py). Callers ch
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from creditlab.kernels._triton import triton
 from creditlab.kernels import tiled_transpose
 from creditlab.kernels.softcap_ce import softcap_ce_rows
 
-__all__ = ["available", "compute_dtype", "softcap_ce_rows", "transpose"]
+__all__ = ["available", "compute_dtype", "off", "softcap_ce_rows", "transpose"]
+
+_off = False
 
 
 def available(t: torch.Tensor) -> bool:
-    return triton is not None and t.is_cuda
+    return not _off and triton is not None and t.is_cuda
+
+
+@contextlib.contextmanager
+def off():
+    """Every caller of `available` takes its torch arithmetic inside this block (the step check's plain step in the
+    training precision, creditlab/step_check.py). Eager code only: a compiled graph keeps what it traced."""
+    global _off
+    was, _off = _off, True
+    try:
+        yield
+    finally:
+        _off = was
 
 
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
