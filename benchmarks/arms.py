@@ -77,7 +77,9 @@ MODIFIERS = {
     "plain_qk": ["model.qk=plain"],  # QK-norm and rotary op by op (the earlier default)
     "product_qk": ["model.qk=product"],  # QK-norm and rotary in the Q/K/V product's epilogue
     "gluon_qk": ["model.qk=product", "model.qk_kernel=gluon"],  # ... the product as the Gluon kernel (Hopper)
+    "triton_qk": ["model.qk=product", "model.qk_kernel=triton"],  # ... as the Triton kernel
     "fused_gate": ["model.attn_gate=fused"],  # the attention gate's thin product one pass each way
+    "plain_gate": ["model.attn_gate=plain"],  # ... as three cuBLAS products (the earlier default)
     "norm_keeps_output": ["model.norm=keep_output"],
     "plain_norm": ["model.norm=plain"],  # norms as autograd records them, keeping their input (the earlier default)
     # the recompute study of benchmarks/native_seed.md, on the plain modules it was made with

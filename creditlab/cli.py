@@ -473,6 +473,11 @@ def main(argv: list[str] | None = None) -> int:
     args.commands = set(parser._subparsers._group_actions[0].choices)  # noqa: SLF001 - the registered commands
     try:
         return args.func(args)
+    except BrokenPipeError:
+        # stdout's reader has gone (`creditlab flops | head`): Python's own note on SIGPIPE, stdout pointed at
+        # devnull so that the exit's flush does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except Exception as exc:
         message = user_error(exc)
         if message is None or args.debug:

@@ -113,6 +113,19 @@ def test_argument_errors_exit_2():
     assert exc.value.code == 2
 
 
+def test_python_dash_m_creditlab_is_the_command_and_a_closed_pipe_is_no_traceback():
+    """`python -m creditlab` runs the CLI; a reader that stops early (`| head -1`) ends it quietly."""
+    proc = subprocess.Popen([sys.executable, "-m", "creditlab", "flops", "--preset", "seed"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0)
+    first = proc.stdout.read(10)  # the first bytes, then the reader goes
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    proc.wait(timeout=120)
+    assert first.startswith(b"nominal")
+    assert "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr
+    assert proc.returncode in (0, 1)
+
+
 def test_unknown_key_exit_status_of_the_process():
     proc = subprocess.run([sys.executable, "-m", "creditlab.cli", "train", "--set", "train.nope=1", "--no-record"],
                           capture_output=True, text=True, timeout=120)
