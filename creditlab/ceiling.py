@@ -42,6 +42,7 @@ from creditlab.credit.predictor import LearnedSource, Predictor, TypedPredictor
 from creditlab.credit.sketch import leading_basis
 from creditlab.credit.sources import TerminalTapCredit
 from creditlab.model import GPT
+from creditlab.protocol.records import read_json
 
 RIDGES = (0.0, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)  # relative to the Gram's mean diagonal
 FAMILIES = ("seed", "seed_nogate", "seed_rank4x", "typed", "full", "trained", "trained_refit")
@@ -344,7 +345,7 @@ def to_json(result: Ceiling) -> dict:
 def _run_config(run: Path) -> Config:
     if not (run / "config.json").exists():
         raise config_mod.ConfigError(f"{run} is not a training record (no config.json)")
-    cfg = Config.from_dict(json.loads((run / "config.json").read_text()))
+    cfg = Config.from_dict(read_json(run / "config.json"))
     config_mod.validate(cfg)
     return cfg
 
@@ -352,7 +353,7 @@ def _run_config(run: Path) -> Config:
 def model_state(args):
     """(trainer at the state, where its predictor came from or None, state record). The trainer's loader is
     positioned after the state (a checkpoint's or --updates' data position), or fresh for a bare model.pt."""
-    from creditlab.train import Trainer
+    from creditlab.train import Trainer, newest_readable_checkpoint
 
     if (args.run is None) == (args.updates is None):
         raise config_mod.ConfigError("ceiling needs exactly one of --run RUN and --updates N")
@@ -363,6 +364,8 @@ def model_state(args):
             raise config_mod.ConfigError("--run takes its config from the run's config.json; drop --preset and --set")
         run = Path(args.run)
         if run.is_file():  # one checkpoint of a run
+            if not (run.name.startswith("checkpoint_") and run.suffix == ".pt"):
+                raise config_mod.ConfigError(f"--run {run}: give a run folder or one of its checkpoint_*.pt files")
             run, checkpoints = run.parent, [run]
         else:
             checkpoints = sorted(run.glob("checkpoint_*.pt"))
@@ -371,8 +374,10 @@ def model_state(args):
             raise config_mod.ConfigError(f"{run} has no model.pt and no checkpoint_*.pt: no model state to measure")
         trainer = Trainer(cfg)
         if checkpoints:
-            trainer.load_checkpoint(checkpoints[-1])
-            origin, loaded = "checkpoint", checkpoints[-1].name
+            checkpoint = newest_readable_checkpoint(checkpoints, cfg.to_dict(),
+                                                    say=lambda line: print(line, file=sys.stderr))
+            trainer.load_checkpoint(checkpoint)
+            origin, loaded = "checkpoint", checkpoint["_name"]
         else:
             saved = torch.load(run / "model.pt", map_location=trainer.runtime.device, weights_only=True)
             trainer.model.load_state_dict(saved["model"])
@@ -470,10 +475,17 @@ def cmd_ceiling(args) -> int:
     from creditlab.protocol.records import write_once
 
     out = Path(args.out)
-    if (out / "ceiling.json").exists():
-        raise config_mod.ConfigError(f"{out / 'ceiling.json'} exists and records are append-only: choose a new --out")
-    report = to_json(measure(args))
-    out.mkdir(parents=True, exist_ok=True)
+    for name in ("ceiling.json", "ceiling.png"):
+        if (out / name).exists():
+            raise config_mod.ConfigError(f"{out / name} exists and records are append-only: choose a new --out")
+    made = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)  # before the measurement: a file in the way fails now, not after it
+    try:
+        report = to_json(measure(args))
+    except BaseException:
+        if made:
+            out.rmdir()  # bad input leaves no folder behind
+        raise
     write_once(out / "ceiling.json", report)
     figure(report, out / "ceiling.png")
     if args.json:

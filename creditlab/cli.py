@@ -129,7 +129,9 @@ def cmd_train(args) -> int:
     try:
         if record is not None:
             _repair(record, writes)
-            state = _newest_readable_checkpoint(record, raw)
+            from creditlab.train import checkpoints, newest_readable_checkpoint
+
+            state = newest_readable_checkpoint(checkpoints(record), raw, say=lambda line: print(line, file=sys.stderr))
         if runtime.is_main:
             print_config(cfg)
         peak = rt.measure_matmul_tflops(runtime)
@@ -243,8 +245,9 @@ def _acquire(lock) -> None:
 
 
 def _repair(record, writes: bool) -> None:
-    """Cut a half-written last line off the record's JSON lines (a run killed mid-write), saying so."""
-    from creditlab.protocol.records import append_jsonl, repair_jsonl
+    """Cut a half-written last line off the record's JSON lines (a run killed mid-write), saying so; then read
+    every line, so that a damaged one stops the resume before its first update, not at its end."""
+    from creditlab.protocol.records import append_jsonl, read_jsonl, repair_jsonl
 
     for name in ("rows.jsonl", "eval.jsonl", "warnings.jsonl"):
         removed = repair_jsonl(record / name) if writes else 0
@@ -252,36 +255,24 @@ def _repair(record, writes: bool) -> None:
             message = f"repaired {name}: removed a half-written last line ({removed} bytes)"
             print(f"creditlab: {message}", file=sys.stderr)
             append_jsonl(record / "warnings.jsonl", {"update": None, "warning": message})
-
-
-def _newest_readable_checkpoint(record, raw: dict) -> dict:
-    """The newest checkpoint that can be read, falling back to older ones; it must match the record's config."""
-    from creditlab.train import checkpoints, config_diff, read_checkpoint
-
-    for path in reversed(checkpoints(record)):
-        try:
-            state = read_checkpoint(path)
-        except Exception as exc:  # noqa: BLE001 - a truncated or corrupt file: any reader error means unreadable
-            print(f"creditlab: {path.name} cannot be read ({type(exc).__name__}: {str(exc)[:120]}); "
-                  f"trying the checkpoint before it", file=sys.stderr)
-            continue
-        differ = config_diff(state.get("config", {}), raw)
-        if differ:
-            raise config_mod.UserError(f"{path} was written under another config than {record}/config.json "
-                                       f"({'; '.join(differ)}); restore the record's config.json or start a new run")
-        return state | {"_name": path.name}
-    raise config_mod.UserError(f"{record} has no readable checkpoint; start a new run")
+    for name in ("rows.jsonl", "eval.jsonl", "warnings.jsonl"):
+        if (record / name).exists():
+            read_jsonl(record / name, partial_last=not writes)
 
 
 def _resumable(args):
     """The record, its config (paths resolved) and the config as stored; refuse what cannot be resumed."""
     from pathlib import Path
 
+    from creditlab.protocol.records import read_json
     from creditlab.train import checkpoints
 
     record = Path(args.resume)
     if args.overrides:
         raise config_mod.ConfigError("--resume continues a run exactly as configured; drop --set")
+    if args.no_record:
+        raise config_mod.ConfigError("--resume continues a record, which --no-record would leave as it is; drop "
+                                     "--no-record")
     if not (record / "config.json").exists():
         raise config_mod.ConfigError(f"{record} is not a training record (no config.json)")
     if (record / "result.json").exists():
@@ -291,7 +282,7 @@ def _resumable(args):
                                      f"train.checkpoint_every=0)")
     # Rows written after the newest checkpoint stay (append-only); the resumed run re-does those updates and
     # appends their new rows, and readers keep the last row of each update (train.latest_rows).
-    raw = json.loads((record / "config.json").read_text())
+    raw = read_json(record / "config.json")
     cfg = config_mod.Config.from_dict(raw)
     config_mod.validate(cfg)
     cfg.data.dir = _data_dir(record, cfg)
@@ -309,7 +300,9 @@ def _data_dir(record, cfg) -> str:
     origins = []
     if not out_dir.is_absolute() and ".." not in out_dir.parts:
         origins.append(record.resolve().parents[len(out_dir.parts)])
-    env = json.loads((record / "env.json").read_text()) if (record / "env.json").exists() else {}
+    from creditlab.protocol.records import read_json
+
+    env = read_json(record / "env.json") if (record / "env.json").exists() else {}
     if env.get("cwd"):
         origins.append(Path(env["cwd"]))
     for origin in origins:
@@ -343,6 +336,10 @@ def cmd_compare(args) -> int:
     if out.exists():
         out.rmdir()
     if args.merge:
+        given = [flag for flag, value in (("--arms", args.arms), ("--seeds", args.seeds), ("--set", args.overrides),
+                                          ("--preset", args.preset)) if value]
+        if given:
+            raise config_mod.ConfigError(f"--merge reports compare folders as they ran; drop {', '.join(given)}")
         folders = [Path(f) for f in args.merge]
         missing = [str(f) for f in folders if not (f / "compare.json").exists()]
         if missing:
@@ -351,8 +348,9 @@ def cmd_compare(args) -> int:
     else:
         if not args.arms:
             raise config_mod.ConfigError("compare needs --arms (e.g. --arms native,zero,learned), or --merge DIR ...")
+        args.preset = args.preset or "tiny"
         base = load_config(args)
-        seeds = parse_seeds(args.seeds) if args.seeds else [base.train.seed]
+        seeds = parse_seeds(args.seeds) if args.seeds is not None else [base.train.seed]
         run = CompareRun(args.preset, args.overrides, parse_arms(args.arms), seeds, out,
                          progress=not args.no_progress)
         run.check(base)
@@ -371,6 +369,9 @@ def cmd_heldout(args) -> int:
     from creditlab.protocol.admission import AdmissionError
     from creditlab.protocol.heldout import HeldoutRefused, heldout
 
+    if args.tokens is not None and args.tokens < 1:
+        raise config_mod.ConfigError(f"--tokens {args.tokens}: give a positive count, or leave --tokens out for the "
+                                     f"whole split")
     try:
         result = heldout(args.run, args.admission, args.out_dir, args.tokens)
     except (HeldoutRefused, AdmissionError) as exc:
@@ -388,8 +389,15 @@ def cmd_heldout(args) -> int:
 
 # ---- parser ------------------------------------------------------------------------------------------------
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line, like every other error of the command (exit 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="creditlab", description=__doc__.splitlines()[0])
+    parser = Parser(prog="creditlab", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show the traceback of a user error too")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -428,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of training: one report from compare folders of the same arms at other seeds")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_compare)
+    p.set_defaults(func=cmd_compare, preset=None)  # None: not given (tiny), so that --merge can refuse it
 
     p = sub.add_parser("heldout", help="FINAL_HELDOUT loss of a finished run or comparison, once per admission")
     p.add_argument("run", help="a finished run's record folder (with model.pt), or a compare folder (all its "
@@ -491,7 +499,9 @@ STORAGE_ERRNOS = {errno.ENOSPC: "the disk is full; free space there or choose an
                   errno.EDQUOT: "the disk quota is exhausted; free space there or choose another folder",
                   errno.EROFS: "the file system is read-only; choose a writable folder",
                   errno.EACCES: "permission denied; make it writable or choose another folder",
-                  errno.EPERM: "permission denied; make it writable or choose another folder"}
+                  errno.EPERM: "permission denied; make it writable or choose another folder",
+                  errno.ENOTDIR: "a part of that path is a file, not a folder; choose a folder",
+                  errno.EEXIST: "a file is in the way of a folder to be made there; choose another folder"}
 
 
 def user_error(exc: BaseException) -> str | None:
@@ -499,8 +509,9 @@ def user_error(exc: BaseException) -> str | None:
     UserError family (configuration, records), the data errors (creditlab.data.DATA_ERRORS), and storage
     errors; for `train`, the folder is train.out_dir."""
     from creditlab.data import DATA_ERRORS
+    from creditlab.protocol.records import RecordError
 
-    if isinstance(exc, (config_mod.UserError, *DATA_ERRORS)):
+    if isinstance(exc, (config_mod.UserError, RecordError, *DATA_ERRORS)):
         return str(exc)
     if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
         where = exc.filename or "a file"

@@ -16,7 +16,6 @@ kept beside it (`measured_seconds`).
 from __future__ import annotations
 
 import gc
-import json
 import math
 import statistics
 import sys
@@ -31,7 +30,7 @@ from creditlab import runtime as rt
 from creditlab.arms import ArmSpec, arm_config
 from creditlab.arms_runner import keep_compiled_side_by_side, run_rounds
 from creditlab.evaluate import Evaluator
-from creditlab.protocol.records import append_jsonl, read_jsonl, write_once
+from creditlab.protocol.records import append_jsonl, read_json, read_jsonl, write_once
 from creditlab.train import Trainer, row_dict
 
 FORMAT = "creditlab-compare/1"
@@ -359,7 +358,7 @@ def merge(folders: list[Path], out: Path) -> dict:
     """One comparison from several compare folders of the same settings run at different seeds (in separate
     processes: within a seed the arms still shared one process). A seed may have run a subset of the arms; an
     arm with one seed has no spread. The records stay where they are; the merged compare.json names them."""
-    results = [json.loads((Path(f) / "compare.json").read_text()) for f in folders]
+    results = [read_json(Path(f) / "compare.json") for f in folders]
     first = results[0]
     def experiment(r: dict) -> dict:  # what must agree: the settings less the cosmetic overrides
         overrides = [o for o in r["overrides"] if o.partition("=")[0].strip() not in config_mod.COSMETIC_KEYS]
@@ -414,7 +413,7 @@ def load_runs(folders: list[Path]) -> dict:
     left out."""
     found = {}
     for folder in filter(_is_record, folders):
-        arm = json.loads((folder / "arm.json").read_text())
+        arm = read_json(folder / "arm.json")
         rows = read_jsonl(folder / "rows.jsonl") if (folder / "rows.jsonl").exists() else []
         evals = read_jsonl(folder / "eval.jsonl") if (folder / "eval.jsonl").exists() else []
         found.setdefault(arm["label"], {})[arm["seed"]] = {"rows": rows, "evals": evals}

@@ -16,6 +16,9 @@ def _banner(text: str) -> None:
 
 
 def cmd_demo(args) -> int:
+    if args.updates < 1:
+        from creditlab.config import ConfigError
+        raise ConfigError(f"--updates {args.updates}: give a positive count of updates per training run")
     start = time.time()
     runs = f"runs/demo-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
     steps = [

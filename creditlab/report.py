@@ -10,14 +10,13 @@ reported as failed, with the reason; one that failed before its first update has
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from pathlib import Path
 
 from creditlab.config import UserError
 from creditlab.credit import SOURCES, source_class
-from creditlab.protocol.records import RECORD_MODE, read_jsonl, write_once
+from creditlab.protocol.records import RECORD_MODE, read_json, read_jsonl, write_once
 
 
 class NotARecord(UserError, FileNotFoundError):
@@ -31,15 +30,17 @@ def load_run(folder: str | Path) -> dict:
         raise NotARecord(f"{folder} has no rows.jsonl: not a run record (give a folder runs/<id>/)")
     from creditlab.train import latest_rows
 
-    rows = latest_rows(read_jsonl(folder / "rows.jsonl")) if (folder / "rows.jsonl").exists() else []
+    # A run killed while appending leaves a half-written last line; a report only looks, so it leaves it out.
+    rows = latest_rows(read_jsonl(folder / "rows.jsonl", partial_last=True)) if (folder / "rows.jsonl").exists() \
+        else []
     run = {"dir": folder, "rows": rows}
     for name in ("config", "env", "result"):
         path = folder / f"{name}.json"
-        run[name] = json.loads(path.read_text()) if path.exists() else None
+        run[name] = read_json(path) if path.exists() else None
     # Failed: it stopped and has not finished since (a resumed run that finished has a result).
-    run["failure"] = json.loads(failures[-1].read_text()) if failures and run["result"] is None else None
+    run["failure"] = read_json(failures[-1]) if failures and run["result"] is None else None
     warnings = folder / "warnings.jsonl"
-    run["warnings"] = read_jsonl(warnings) if warnings.exists() else []
+    run["warnings"] = read_jsonl(warnings, partial_last=True) if warnings.exists() else []
     return run
 
 
@@ -142,20 +143,26 @@ def figure(runs: list[dict], path: Path) -> Path:
 def report(folders: list[str | Path], out: str | Path | None = None) -> list[Path]:
     """Write the figure (and, for one run, its markdown summary); return the paths written."""
     runs = [load_run(f) for f in folders]
-    if len(runs) == 1 and out is None:
-        folder, n = runs[0]["dir"], 1
-        stem = lambda n: "report" if n == 1 else f"report-{n}"  # noqa: E731
-        while (folder / f"{stem(n)}.md").exists() or (folder / f"{stem(n)}.png").exists():
-            n += 1
-        png, paths = folder / f"{stem(n)}.png", []
-        if runs[0]["rows"]:
-            paths.append(figure(runs, png))
-        return paths + [write_once(folder / f"{stem(n)}.md", summary_markdown(runs[0], png.name))]
-    out = Path(out or ".")
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [figure([r for r in runs if r["rows"]], out / "report.png")]
-    paths.append(write_once(out / "report.md", "\n\n".join(summary_markdown(r) for r in runs)))
-    return paths
+    one = len(runs) == 1 and out is None
+    folder = runs[0]["dir"] if one else Path(out or ".")
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = free_stem(folder)
+    png, paths = folder / f"{stem}.png", []
+    drawn = [r for r in runs if r["rows"]]
+    if drawn:
+        paths.append(figure(drawn, png))
+    text = summary_markdown(runs[0], png.name) if one else "\n\n".join(summary_markdown(r) for r in runs)
+    return paths + [write_once(folder / f"{stem}.md", text)]
+
+
+def free_stem(folder: Path) -> str:
+    """report, or report-2, -3, ...: the first name whose .md and .png are both free in `folder`, so that no report
+    is written over an earlier one (a report is derived, but the record it sits in is append-only)."""
+    n = 1
+    stem = lambda n: "report" if n == 1 else f"report-{n}"  # noqa: E731
+    while (folder / f"{stem(n)}.md").exists() or (folder / f"{stem(n)}.png").exists():
+        n += 1
+    return stem(n)
 
 
 def add_commands(sub, config_args) -> None:

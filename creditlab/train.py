@@ -403,6 +403,28 @@ def read_checkpoint(path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def newest_readable_checkpoint(paths, raw: dict, say=print) -> dict:
+    """The newest of `paths` (oldest first) that can be read, falling back to older ones (a file cut short by a
+    run that died while writing it); it must have been written under the config `raw`. Returns its state with
+    its file name as `_name`."""
+    paths = list(paths)
+    for path in reversed(paths):
+        try:
+            state = read_checkpoint(path)
+        except Exception as exc:  # noqa: BLE001 - a truncated or corrupt file: any reader error means unreadable
+            say(f"creditlab: {path.name} cannot be read ({type(exc).__name__}: {str(exc)[:120]}); "
+                f"trying the checkpoint before it")
+            continue
+        differ = config_diff(state.get("config", {}), raw)
+        if differ:
+            raise CheckpointMismatch(f"{path} was written under another config than {path.parent / 'config.json'} "
+                                     f"({'; '.join(differ)}); restore the record's config.json or start a new run")
+        return state | {"_name": path.name}
+    where = f"{paths[0].parent} has" if paths else "there is"
+    raise CheckpointMismatch(f"{where} no readable checkpoint ({', '.join(p.name for p in paths) or 'none'}); "
+                             f"start a new run")
+
+
 def config_diff(a: dict, b: dict) -> list[str]:
     """`section.key: a != b` for every key whose value differs (or that only one side has)."""
     flat = lambda d: {f"{s}.{k}": v for s, values in d.items() for k, v in values.items()}  # noqa: E731

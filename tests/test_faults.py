@@ -283,6 +283,28 @@ def test_resume_falls_back_to_the_previous_checkpoint(tmp_path, monkeypatch, cap
     assert torch.load(newest, weights_only=True)["update"] == 4  # rewritten whole
 
 
+def test_resume_refuses_a_damaged_row_before_its_first_update(tmp_path, monkeypatch, capsys):
+    record = died_at(tmp_path, monkeypatch, 3)
+    lines = (record / "rows.jsonl").read_text().splitlines(keepends=True)
+    lines[1] = lines[1][:20] + "\n"  # a line in the middle cut short: no repair can tell what it said
+    (record / "rows.jsonl").write_text("".join(lines))
+    before = {p.name: p.read_bytes() for p in record.iterdir()}
+    capsys.readouterr()
+    assert cli.main(["train", "--resume", str(record)]) == 2
+    one_error_line(capsys, "rows.jsonl:2: not a JSON line")
+    assert {p.name: p.read_bytes() for p in record.iterdir()} == before  # no update ran, no checkpoint pruned
+
+
+def test_resume_refuses_a_damaged_config_and_no_record(tmp_path, monkeypatch, capsys):
+    record = died_at(tmp_path, monkeypatch, 3)
+    assert cli.main(["train", "--resume", str(record), "--no-record"]) == 2
+    one_error_line(capsys, "drop --no-record")
+    text = (record / "config.json").read_text()
+    (record / "config.json").write_text(text[:len(text) // 2])
+    assert cli.main(["train", "--resume", str(record)]) == 2
+    one_error_line(capsys, "config.json is not readable JSON")
+
+
 def test_a_second_process_is_refused_and_a_stale_lock_taken_over(tmp_path, monkeypatch, capsys):
     import socket
 
@@ -356,3 +378,91 @@ def test_every_row_of_the_readme_fault_table_is_a_test_here():
     named = re.findall(r"\| `(test_\w+)` \|$", table, flags=re.M)
     assert len(named) == table.count("\n| ") - 1  # every row but the header names a test
     assert named and all(callable(globals().get(name)) for name in named), [n for n in named if n not in globals()]
+
+
+def test_a_second_report_into_one_folder_is_written_beside_the_first(tmp_path, capsys):
+    assert train(tmp_path) == 0
+    record = the_record(tmp_path / "runs")
+    out = tmp_path / "reports"
+    assert cli.main(["report", str(record), "--out", str(out)]) == 0
+    first = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert set(first) == {"report.md", "report.png"}
+    assert cli.main(["report", str(record), str(record), "--out", str(out)]) == 0
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name in first} == first  # nothing written over
+    assert {p.name for p in out.iterdir()} == {"report.md", "report.png", "report-2.md", "report-2.png"}
+
+
+def test_report_of_a_killed_run_leaves_out_its_half_written_row_and_names_a_damaged_file(tmp_path, monkeypatch,
+                                                                                        capsys):
+    record = died_at(tmp_path, monkeypatch, 3)
+    with open(record / "rows.jsonl", "a") as f:
+        f.write('{"update": 3, "kind": "nat')  # what a process killed while appending leaves
+    assert "Status: **failed**" in cli_report(record)
+    text = (record / "env.json").read_text()
+    (record / "env.json").write_text(text[:10])
+    capsys.readouterr()
+    assert cli.main(["report", str(record)]) == 2
+    one_error_line(capsys, "env.json is not readable JSON")
+
+
+@pytest.mark.parametrize("argv", [["train", "--preset", "tiny", "--set", "train.out_dir=FILE/runs"],
+                                  ["compare", "--arms", "native", "--out", "FILE/cmp"],
+                                  ["data", "prepare", "--source", "pack:prose", "--out", "FILE/data"]])
+def test_a_file_where_a_folder_must_be(tmp_path, argv, capsys):
+    (tmp_path / "file").write_text("x")
+    argv = [a.replace("FILE", str(tmp_path / "file")) for a in argv]
+    assert cli.main(argv) == 2
+    one_error_line(capsys, "not a folder")
+    assert (tmp_path / "file").read_text() == "x"
+
+
+def test_compare_refuses_what_it_would_ignore(tmp_path, capsys):
+    for argv, fragment in ((["--merge", "a", "b", "--arms", "native"], "drop --arms"),
+                           (["--merge", "a", "b", "--set", "train.updates=2"], "drop --set"),
+                           (["--arms", "native", "--seeds", ""], "--seeds ''")):
+        assert cli.main(["compare", *argv, "--out", str(tmp_path / "cmp")]) == 2
+        one_error_line(capsys, fragment)
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_command_line_errors_are_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["check", "--seed", "abc"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "invalid int value: 'abc'" in err[0] and "creditlab check --help" in err[0], err
+    assert cli.main(["demo", "--updates", "0"]) == 2
+    one_error_line(capsys, "--updates 0")
+
+
+def test_ceiling_takes_the_newest_readable_checkpoint_and_refuses_what_is_not_one(tmp_path, monkeypatch, capsys):
+    from creditlab import ceiling
+
+    record = died_at(tmp_path, monkeypatch, 5, updates=7)
+    newest = record / "checkpoint_000004.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    assert cli.main(["ceiling", "--run", str(record), "--batches", "2", "--sketch", "none", "--json",
+                     "--out", str(tmp_path / "ceiling")]) == 0
+    out = capsys.readouterr()
+    assert "checkpoint_000004.pt cannot be read" in out.err
+    assert json.loads(out.out.splitlines()[-1])["state"]["loaded"] == "checkpoint_000002.pt"
+    assert cli.main(["ceiling", "--run", str(record / "config.json"), "--out", str(tmp_path / "c2")]) == 2
+    one_error_line(capsys, "give a run folder or one of its checkpoint_*.pt files")
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setattr(ceiling, "measure", lambda args: pytest.fail("measured before its --out was checked"))
+    assert cli.main(["ceiling", "--updates", "0", "--out", str(tmp_path / "file")]) == 2
+    one_error_line(capsys, "a file is in the way")
+
+
+def test_damaged_manifests_and_a_heldout_read_of_no_tokens_are_refused(tmp_path, prepared, capsys):
+    data = tmp_path / "data"
+    shutil.copytree(prepared, data)
+    text = (data / "manifest.json").read_text()
+    (data / "manifest.json").write_text(text[:50])
+    assert cli.main(["data", "info", str(data)]) == 2
+    one_error_line(capsys, "manifest.json is not readable JSON")
+    assert cli.main(["train", *TINY, "--no-record", "--set", "data.source=shards", "--set", f"data.dir={data}"]) == 2
+    one_error_line(capsys, "prepare the data again")
+    for tokens in ("0", "-5"):  # refused before the admission's one read is looked up, let alone spent
+        assert cli.main(["heldout", str(tmp_path), "--admission", "none", "--tokens", tokens]) == 2
+        one_error_line(capsys, f"--tokens {tokens}: give a positive count")

@@ -60,6 +60,10 @@ def add_commands(subparsers) -> None:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
+    if not args.out.strip():
+        print("creditlab: error: --out is empty; name the folder for the prepared data (e.g. --out data/prose)",
+              file=sys.stderr)
+        return 2
     try:
         fractions = parse_fractions(args.splits)
         summary = prepare(args.source, args.out, vocab_size=args.vocab_size, tokenizer=args.tokenizer,

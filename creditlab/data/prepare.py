@@ -33,7 +33,7 @@ import numpy as np
 
 from creditlab.data import tokenizer as tokenizers
 from creditlab.data.documents import Document
-from creditlab.data.shards import HEADER_BYTES, MAX_VOCAB, file_sha256, read_header, write_shard
+from creditlab.data.shards import HEADER_BYTES, MAX_VOCAB, ShardError, file_sha256, read_header, write_shard
 from creditlab.data.sources import DEFAULT_SOURCE, Source, open_source
 from creditlab.data.splits import DEFAULT_FRACTIONS, SPLITS, check_fractions, split_of
 
@@ -62,7 +62,11 @@ def load_manifest(data_dir: str | Path) -> dict:
     if not path.exists():
         raise NotPreparedError(f"no prepared data in {data_dir} ({MANIFEST} is missing); run "
                                f"`creditlab data prepare --source {DEFAULT_SOURCE} --out {data_dir}`")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ShardError(f"{path} is not readable JSON ({getattr(exc, 'msg', 'not text')}): prepare the data "
+                         f"again with `creditlab data prepare ... --out {data_dir} --force`") from None
 
 
 def manifest_sha256(data_dir: str | Path) -> str:

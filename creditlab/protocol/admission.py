@@ -281,7 +281,11 @@ def load(path: str | os.PathLike) -> Admission:
     meta_path = path / ADMISSION_FILE
     if not meta_path.exists():
         raise AdmissionError(f"{path} is not an admission ({ADMISSION_FILE} is missing)")
-    meta = json.loads(meta_path.read_text())
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise AdmissionError(f"{meta_path} is not readable JSON ({getattr(exc, 'msg', 'not text')}): the admission "
+                             f"record was damaged; admit again into a new folder") from None
     files = [FrozenFile(f["path"], f["role"], f["sha256"]) for f in meta["files"]]
     ident = admission_id(files)
     if ident != meta["admission"] or ident != path.name:

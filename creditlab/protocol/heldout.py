@@ -10,11 +10,10 @@ run's (or comparison's) folder as `heldout-<admission prefix>.json`.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from creditlab.protocol import admission as adm_mod
-from creditlab.protocol.records import write_once
+from creditlab.protocol.records import read_json, write_once
 
 
 class HeldoutRefused(RuntimeError):
@@ -25,7 +24,7 @@ def _models(path: Path) -> list[Path]:
     """The finished runs a heldout read covers: one run, or every arm-seed record of a comparison."""
     if (path / "compare.json").exists():
         from creditlab.compare import record_dirs
-        runs = record_dirs(path, json.loads((path / "compare.json").read_text()))
+        runs = record_dirs(path, read_json(path / "compare.json"))
     else:
         runs = [path]
     unfinished = [str(r) for r in runs if not (r / "model.pt").exists() or not (r / "config.json").exists()]
@@ -69,7 +68,7 @@ def heldout(path: str | Path, admission_ref: str, out_dir: str | Path, tokens: i
     path = Path(path)
     runs = _models(path)
     frozen = {f.role: f.sha256 for f in adm.files}.get("data_manifest")
-    configs = [config_mod.Config.from_dict(json.loads((r / "config.json").read_text())) for r in runs]
+    configs = [config_mod.Config.from_dict(read_json(r / "config.json")) for r in runs]
     for run, cfg in zip(runs, configs):
         if cfg.data.source != "shards" or frozen is None:
             raise HeldoutRefused("FINAL_HELDOUT exists only for prepared data: both the run and the admission "

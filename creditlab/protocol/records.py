@@ -25,6 +25,15 @@ import time
 from pathlib import Path
 
 
+class RecordError(ValueError):
+    """A record's file that is not what it must be (cut short, edited, not a record's file): the user's to
+    repair or replace, said in one line."""
+
+
+class RecordExists(RecordError, FileExistsError):
+    """A record's file written a second time: records are append-only."""
+
+
 def new_run_id(kind: str) -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{kind}-{secrets.token_hex(3)}"
 
@@ -71,7 +80,7 @@ def write_once(path: str | os.PathLike, content: str | dict | list) -> Path:
     """Write a file atomically; refuse if it already exists."""
     path = Path(path)
     if path.exists():
-        raise FileExistsError(f"{path} exists and records are append-only; write a new record instead")
+        raise RecordExists(f"{path} exists and records are append-only; write a new record instead")
     text = content if isinstance(content, str) else dumps(content, indent=2) + "\n"
     _atomic_write(path, text)
     return path
@@ -81,7 +90,7 @@ def write_bytes_once(path: str | os.PathLike, data: bytes) -> Path:
     """Write bytes atomically (creating parent folders); refuse if the file already exists."""
     path = Path(path)
     if path.exists():
-        raise FileExistsError(f"{path} exists and records are append-only; write a new record instead")
+        raise RecordExists(f"{path} exists and records are append-only; write a new record instead")
     path.parent.mkdir(parents=True, exist_ok=True)
     _atomic_write(path, data)
     return path
@@ -218,13 +227,30 @@ def _alive(host: str, pid: int) -> bool:
     return pid != 0
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict]:
+def read_json(path: str | os.PathLike):
+    """A record's JSON file; one that does not parse is a RecordError naming it."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        reason = f"{exc.msg} at line {exc.lineno}" if isinstance(exc, json.JSONDecodeError) else "not text"
+        raise RecordError(f"{path} is not readable JSON ({reason}): it was cut short or edited; restore it from "
+                          f"a copy, or start a new record") from None
+
+
+def read_jsonl(path: str | os.PathLike, partial_last: bool = False) -> list[dict]:
+    """A record's JSON lines. A line that does not parse is a RecordError naming it, except, with
+    `partial_last`, a last line with no newline: what a process killed while appending leaves, left out by a
+    reader that only looks (a resumed run cuts it off first, `repair_jsonl`)."""
     rows = []
     with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
+        lines = f.readlines()
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                if partial_last and number == len(lines) and not line.endswith("\n"):
+                    break
+                raise RecordError(f"{path}:{number}: not a JSON line ({exc.msg}); each line is one JSON object: "
+                                  f"repair or remove that line, or start a new record") from None
     return rows
