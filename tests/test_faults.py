@@ -463,6 +463,9 @@ def test_damaged_manifests_and_a_heldout_read_of_no_tokens_are_refused(tmp_path,
     one_error_line(capsys, "manifest.json is not readable JSON")
     assert cli.main(["train", *TINY, "--no-record", "--set", "data.source=shards", "--set", f"data.dir={data}"]) == 2
     one_error_line(capsys, "prepare the data again")
+    assert cli.main(["train", *TINY, "--no-record", "--set", "data.source=shards",
+                     "--set", f"data.dir={data / 'manifest.json'}"]) == 2
+    one_error_line(capsys, "is a file, not a prepared data folder")
     for tokens in ("0", "-5"):  # refused before the admission's one read is looked up, let alone spent
         assert cli.main(["heldout", str(tmp_path), "--admission", "none", "--tokens", tokens]) == 2
         one_error_line(capsys, f"--tokens {tokens}: give a positive count")

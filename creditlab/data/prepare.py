@@ -59,6 +59,9 @@ class NotPreparedError(FileNotFoundError):
 
 def load_manifest(data_dir: str | Path) -> dict:
     path = Path(data_dir) / MANIFEST
+    if Path(data_dir).is_file():
+        raise NotPreparedError(f"{data_dir} is a file, not a prepared data folder; give the folder `creditlab data "
+                               f"prepare --out` wrote (data.dir)")
     if not path.exists():
         raise NotPreparedError(f"no prepared data in {data_dir} ({MANIFEST} is missing); run "
                                f"`creditlab data prepare --source {DEFAULT_SOURCE} --out {data_dir}`")
