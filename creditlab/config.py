@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 
@@ -153,6 +154,9 @@ LEAN_MODULES = (("mlp", ("fused",), "mlp", "the fused MLP keeps only ReLU^2's ou
 FITS = ("adam", "lstsq")
 GATES = ("separate", "merged")
 DFA_SCALES = ("none", "calibrated")
+# The arms of creditlab/arms.py that compare.reference may name (as name or name@section.key=value, the label of
+# one of --arms): every arm but native backprop itself and intermittent, which is given the reference's seconds.
+REFERENCE_ARMS = ("oracle", "zero", "learned", "typed", "fitted_feedback", "dfa", "fdfa", "sketch", "dni")
 
 
 def parse_recompute(spec: str) -> frozenset[str]:
@@ -380,6 +384,23 @@ def load(preset: str = "tiny", overrides: typing.Sequence[str] = ()) -> Config:
     return cfg
 
 
+def _range_problems(section, keys: typing.Iterable[str], low: float, high: float = math.inf,
+                    low_open: bool = False) -> list[str]:
+    """One problem for each of section's float keys whose value is not a finite number from low (excluded where
+    low_open) to high; NaN and the infinities lie outside every range."""
+    name = type(section).__name__.removesuffix("Config").lower()
+    if high == math.inf:
+        wanted = f"be a finite number {'>' if low_open else '>='} {low:g}"
+    else:
+        wanted = f"lie in {'(' if low_open else '['}{low:g}, {high:g}]"
+    problems = []
+    for key in keys:
+        value = getattr(section, key)
+        if not (math.isfinite(value) and (value > low if low_open else value >= low) and value <= high):
+            problems.append(f"{name}.{key} must {wanted}, got {value!r}")
+    return problems
+
+
 def validate(cfg: Config) -> None:
     m = cfg.model
     problems = []
@@ -387,13 +408,15 @@ def validate(cfg: Config) -> None:
         problems.append(f"model.width ({m.width}) must be divisible by model.heads ({m.heads})")
     elif m.head_dim % 2:
         problems.append(f"head dim width/heads = {m.head_dim} must be even for rotary positions")
-    if m.gate_dim > m.width:
-        problems.append(f"model.gate_dim ({m.gate_dim}) exceeds model.width ({m.width})")
-    if 2 * m.value_embeds > m.layers and m.value_embeds > 0:
-        problems.append(f"model.value_embeds ({m.value_embeds}) tables need 2x as many layers (have {m.layers})")
+    if not 1 <= m.gate_dim <= m.width:  # the gate reads the branch input's first gate_dim channels
+        problems.append(f"model.gate_dim must lie in [1, model.width={m.width}], got {m.gate_dim}")
+    if not 0 <= 2 * m.value_embeds <= m.layers:  # table i feeds layers i and layers - value_embeds + i
+        problems.append(f"model.value_embeds must lie in [0, model.layers/2] (each table feeds one of the first "
+                        f"and one of the last layers; model.layers={m.layers}), got {m.value_embeds}")
     for key in ("layers", "width", "heads", "mlp_hidden", "seq_len", "vocab_size", "vocab_pad_multiple"):
         if getattr(m, key) < 1:
-            problems.append(f"model.{key} must be positive")
+            problems.append(f"model.{key} must be positive, got {getattr(m, key)}")
+    problems += _range_problems(m, ("logit_cap", "rope_base"), 0.0, low_open=True)
     try:
         parts = parse_recompute(m.recompute)
     except ValueError as exc:
@@ -416,14 +439,20 @@ def validate(cfg: Config) -> None:
         problems.append(f"data.source must be synthetic|shards, got {cfg.data.source!r} (shards are read from "
                         f"data.dir; prepare them with `creditlab data prepare`)")
     t = cfg.train
-    for key in ("micro_batch", "grad_accum", "updates", "loss_chunk"):
+    for key in ("micro_batch", "grad_accum", "updates", "loss_chunk", "log_every"):
         if getattr(t, key) < 1:
-            problems.append(f"train.{key} must be positive")
-    for key in ("eval_every", "eval_tokens", "checkpoint_every", "keep_checkpoints", "stall_updates"):
+            problems.append(f"train.{key} must be positive, got {getattr(t, key)}")
+    for key in ("warmup", "eval_every", "eval_tokens", "checkpoint_every", "keep_checkpoints", "stall_updates"):
         if getattr(t, key) < 0:
-            problems.append(f"train.{key} must be >= 0")
+            problems.append(f"train.{key} must be >= 0, got {getattr(t, key)}")
+    problems += _range_problems(t, ("lr_muon", "lr_embed", "lr_head", "lr_scalar", "weight_decay"), 0.0)
+    problems += _range_problems(t, ("activation_budget",), 0.0, 1.0, low_open=True)
     if cfg.compare.align_every < 0:
-        problems.append("compare.align_every must be >= 0")
+        problems.append(f"compare.align_every must be >= 0, got {cfg.compare.align_every}")
+    if cfg.compare.reference.partition("@")[0].strip() not in REFERENCE_ARMS:
+        problems.append(f"compare.reference must name an arm other than native and intermittent, as in --arms "
+                        f"(name or name@section.key=value; names: {'|'.join(REFERENCE_ARMS)}), "
+                        f"got {cfg.compare.reference!r}")
     if t.compile not in ("auto", "on", "off"):
         problems.append(f"train.compile must be auto|on|off, got {t.compile!r}")
     if t.compile_mode not in COMPILE_MODES:
@@ -436,11 +465,15 @@ def validate(cfg: Config) -> None:
         problems.append(f"train.device must be auto|cpu|cuda, got {t.device!r}")
     if t.dtype not in ("auto", "float32", "float64", "bf16"):
         problems.append(f"train.dtype must be auto|float32|float64|bf16, got {t.dtype!r}")
+    elif t.dtype == "bf16" and t.device == "cpu":
+        problems.append("train.dtype=bf16 (autocast) needs CUDA: with train.device=cpu use train.dtype=float32 "
+                        "or float64")
     if not 0.0 <= t.cooldown_frac <= 1.0:
-        problems.append("train.cooldown_frac must lie in [0, 1]")
+        problems.append(f"train.cooldown_frac must lie in [0, 1], got {t.cooldown_frac!r}")
     c = cfg.credit
     if c.rank < 1:
-        problems.append("credit.rank must be positive")
+        problems.append(f"credit.rank must be positive, got {c.rank}")
+    problems += _range_problems(c, ("predictor_lr",), 0.0)
     if c.source not in registry.SOURCES:
         problems.append(f"credit.source: unknown credit source {c.source!r}; valid: {', '.join(registry.SOURCES)}")
     else:
@@ -462,18 +495,23 @@ def validate(cfg: Config) -> None:
     if c.fit_precision not in ("auto", "float32"):
         problems.append(f"credit.fit_precision must be auto|float32, got {c.fit_precision!r}")
     if c.teacher_every < 0:
-        problems.append("credit.teacher_every must be >= 0")
+        problems.append(f"credit.teacher_every must be >= 0, got {c.teacher_every}")
     if c.dfa_scale not in DFA_SCALES:
         problems.append(f"credit.dfa_scale must be one of {'|'.join(DFA_SCALES)}, got {c.dfa_scale!r}")
     if not 0.0 <= c.fdfa_momentum < 1.0:
-        problems.append("credit.fdfa_momentum must lie in [0, 1)")
+        problems.append(f"credit.fdfa_momentum must lie in [0, 1), got {c.fdfa_momentum!r}")
     if c.sketch_rank < 1 or c.sketch_every < 1:
         problems.append("credit.sketch_rank and credit.sketch_every must be positive")
     if c.fit not in FITS:
         problems.append(f"credit.fit must be one of {'|'.join(FITS)}, got {c.fit!r}")
     if not 0.0 <= c.fit_decay < 1.0:
-        problems.append("credit.fit_decay must lie in [0, 1)")
-    if c.fit_ridge < 0:
-        problems.append("credit.fit_ridge must be >= 0")
+        problems.append(f"credit.fit_decay must lie in [0, 1), got {c.fit_decay!r}")
+    problems += _range_problems(c, ("fit_ridge",), 0.0)
+    s = cfg.screen
+    for key in ("updates", "window"):
+        if getattr(s, key) < 1:
+            problems.append(f"screen.{key} must be positive, got {getattr(s, key)}")
+    problems += _range_problems(s, ("cycle_gate", "ratio_gate"), 0.0, low_open=True)
+    problems += _range_problems(s, ("peak_gate_mib", "cap_gpu_s", "memory_cap_mib"), 0.0)
     if problems:
         raise ConfigError("invalid config: " + "; ".join(problems))

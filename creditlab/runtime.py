@@ -18,7 +18,7 @@ from typing import Callable, TypeVar
 import torch
 import torch.distributed as dist
 
-from creditlab.config import TrainConfig
+from creditlab.config import ConfigError, TrainConfig
 
 T = TypeVar("T")
 
@@ -69,7 +69,7 @@ def resolve(cfg: TrainConfig) -> Runtime:
     world_size = launched_processes()
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device=cuda but no CUDA device is visible; use --set train.device=cpu")
+        raise ConfigError("train.device=cuda but no CUDA device is visible; use --set train.device=cpu")
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
@@ -80,7 +80,7 @@ def resolve(cfg: TrainConfig) -> Runtime:
         dist.init_process_group("nccl" if use_cuda else "gloo")
     dtype = {"auto": "bf16" if use_cuda else "float32"}.get(cfg.dtype, cfg.dtype)
     if dtype == "bf16" and not use_cuda:
-        raise RuntimeError("train.dtype=bf16 (autocast) needs CUDA; use float32 or float64 on the CPU")
+        raise ConfigError("train.dtype=bf16 (autocast) needs CUDA; use float32 or float64 on the CPU")
     param_dtype = torch.float64 if dtype == "float64" else torch.float32
     autocast_dtype = torch.bfloat16 if dtype == "bf16" else None
     compile_ = cfg.compile == "on" or (cfg.compile == "auto" and use_cuda)

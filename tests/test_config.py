@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from creditlab import config
-from creditlab.config import Config, ConfigError
+from creditlab import arms, cli, config
+from creditlab import runtime as rt
+from creditlab.config import Config, ConfigError, TrainConfig
 
 
 def test_every_preset_loads_and_validates():
@@ -148,6 +150,88 @@ def test_invalid_combinations_are_rejected(overrides, fragment):
     with pytest.raises(ConfigError, match="invalid config") as exc:
         config.load("tiny", overrides)
     assert fragment in str(exc.value)
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    # learning rates and weight decay: finite and >= 0 (what torch's optimizers take)
+    (["train.lr_muon=-1"], "train.lr_muon must be a finite number >= 0, got -1.0"),
+    (["train.lr_muon=nan"], "train.lr_muon must be a finite number >= 0, got nan"),
+    (["train.lr_embed=-0.1"], "train.lr_embed must be a finite number >= 0, got -0.1"),
+    (["train.lr_head=inf"], "train.lr_head must be a finite number >= 0, got inf"),
+    (["train.lr_scalar=-1"], "train.lr_scalar must be a finite number >= 0, got -1.0"),
+    (["train.weight_decay=nan"], "train.weight_decay must be a finite number >= 0, got nan"),
+    (["credit.predictor_lr=-1e-2"], "credit.predictor_lr must be a finite number >= 0, got -0.01"),
+    (["credit.fit_ridge=nan"], "credit.fit_ridge must be a finite number >= 0, got nan"),
+    # the model's shape and numbers
+    (["model.gate_dim=0"], "model.gate_dim must lie in [1, model.width=64], got 0"),
+    (["model.gate_dim=-1"], "model.gate_dim must lie in [1, model.width=64], got -1"),
+    (["model.gate_dim=65"], "model.gate_dim must lie in [1, model.width=64], got 65"),
+    (["model.value_embeds=-1"], "model.value_embeds must lie in [0, model.layers/2]"),
+    (["model.value_embeds=3"], "model.layers=4), got 3"),
+    (["model.rope_base=0"], "model.rope_base must be a finite number > 0, got 0.0"),
+    (["model.rope_base=-10000"], "model.rope_base must be a finite number > 0, got -10000.0"),
+    (["model.logit_cap=0"], "model.logit_cap must be a finite number > 0, got 0.0"),
+    (["model.logit_cap=inf"], "model.logit_cap must be a finite number > 0, got inf"),
+    # the training loop
+    (["train.log_every=0"], "train.log_every must be positive, got 0"),
+    (["train.warmup=-5"], "train.warmup must be >= 0, got -5"),
+    (["train.activation_budget=-1"], "train.activation_budget must lie in (0, 1], got -1.0"),
+    (["train.activation_budget=0"], "train.activation_budget must lie in (0, 1], got 0.0"),
+    (["train.activation_budget=1.5"], "train.activation_budget must lie in (0, 1], got 1.5"),
+    (["train.cooldown_frac=nan"], "train.cooldown_frac must lie in [0, 1], got nan"),
+    (["train.device=cpu", "train.dtype=bf16"], "train.dtype=bf16 (autocast) needs CUDA"),
+    # the screen's shape and gates
+    (["screen.updates=0"], "screen.updates must be positive, got 0"),
+    (["screen.window=0"], "screen.window must be positive, got 0"),
+    (["screen.cycle_gate=0"], "screen.cycle_gate must be a finite number > 0, got 0.0"),
+    (["screen.ratio_gate=nan"], "screen.ratio_gate must be a finite number > 0, got nan"),
+    (["screen.peak_gate_mib=-1"], "screen.peak_gate_mib must be a finite number >= 0, got -1.0"),
+    (["screen.cap_gpu_s=nan"], "screen.cap_gpu_s must be a finite number >= 0, got nan"),
+    (["screen.memory_cap_mib=-1"], "screen.memory_cap_mib must be a finite number >= 0, got -1.0"),
+    # compare's reference arm, checked whatever the arms
+    (["compare.reference=bogus"], "compare.reference must name an arm other than native and intermittent"),
+    (["compare.reference=bogus"], "got 'bogus'"),
+    (["compare.reference=native"], "got 'native'"),
+    (["compare.reference=intermittent"], "got 'intermittent'"),
+])
+def test_out_of_range_values_name_the_key_the_value_and_the_range(overrides, fragment):
+    with pytest.raises(ConfigError, match="invalid config") as exc:
+        config.load("tiny", overrides)
+    assert fragment in str(exc.value)
+
+
+@pytest.mark.parametrize("override", [
+    "train.lr_muon=0", "train.lr_embed=0", "credit.predictor_lr=0", "model.gate_dim=1", "model.value_embeds=0",
+    "train.warmup=0", "train.log_every=1", "train.activation_budget=1", "train.activation_budget=0.5",
+    "model.rope_base=0.5", "model.logit_cap=1e-3", "screen.cap_gpu_s=0", "screen.memory_cap_mib=0",
+    "screen.window=1", "screen.updates=1", "compare.reference=zero",
+    "compare.reference=learned@credit.schedule=warmup:20,4", "train.device=cuda", "train.dtype=bf16",
+])
+def test_range_boundaries_are_accepted(override):
+    config.load("tiny", [override])  # device and dtype are checked against the machine when a run starts
+
+
+def test_reference_arms_are_every_arm_but_native_and_the_budgeted():
+    assert set(config.REFERENCE_ARMS) == {name for name, arm in arms.ARMS.items()
+                                          if name != "native" and not arm.budgeted}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("train, fragment", [
+    (TrainConfig(device="cuda"), "train.device=cuda but no CUDA device is visible; use --set train.device=cpu"),
+    (TrainConfig(device="auto", dtype="bf16"), "train.dtype=bf16 (autocast) needs CUDA"),
+])
+def test_a_device_or_dtype_this_machine_lacks_is_a_config_error(train, fragment):
+    with pytest.raises(ConfigError) as exc:
+        rt.resolve(train)
+    assert fragment in str(exc.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_train_on_cuda_without_cuda_exits_2_with_one_line(capsys):
+    assert cli.main(["train", "--preset", "tiny", "--no-record", "--set", "train.device=cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err == "creditlab: error: train.device=cuda but no CUDA device is visible; use --set train.device=cpu\n"
 
 
 def test_validation_collects_every_problem():
