@@ -470,6 +470,8 @@ def validate(cfg: Config) -> None:
                         "or float64")
     if not 0.0 <= t.cooldown_frac <= 1.0:
         problems.append(f"train.cooldown_frac must lie in [0, 1], got {t.cooldown_frac!r}")
+    if not t.out_dir.strip():
+        problems.append("train.out_dir is empty; name the folder for run records (default runs)")
     c = cfg.credit
     if c.rank < 1:
         problems.append(f"credit.rank must be positive, got {c.rank}")

@@ -193,6 +193,7 @@ def test_invalid_combinations_are_rejected(overrides, fragment):
     (["compare.reference=bogus"], "got 'bogus'"),
     (["compare.reference=native"], "got 'native'"),
     (["compare.reference=intermittent"], "got 'intermittent'"),
+    (["train.out_dir="], "train.out_dir is empty"),
 ])
 def test_out_of_range_values_name_the_key_the_value_and_the_range(overrides, fragment):
     with pytest.raises(ConfigError, match="invalid config") as exc:
