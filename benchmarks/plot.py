@@ -498,6 +498,37 @@ def plot_embedding_grad(results: Path, out: Path, name: str) -> Path:
     return _save(fig, out / name)
 
 
+def plot_step_gradients(result_json: Path, out: Path, name: str) -> Path:
+    """Each parameter's gradient error against float64 over its level (the plain step's error in the same
+    precision): eager (circles) and compiled (crosses), one panel per arm and kind; the flag lines at the level
+    and at OVER_LEVEL x it; parameters not judged in grey."""
+    data = json.loads(result_json.read_text())
+    bounds = data["bounds"]
+    panels = [(arm, kind, errors, {f["parameter"] for f in r["unjudged"] if f["kind"] == kind})
+              for arm, r in data["arms"].items() for kind, errors in r["errors"].items()]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.6), squeeze=False)
+    for ax, (arm, kind, errors, unjudged) in zip(axes[0], panels):
+        for way, marker in (("eager", "o"), ("compiled", "x")):
+            for judged, color in ((True, "#4c72b0" if way == "eager" else "#c44e52"), (False, "#aaaaaa")):
+                points = [(e["plain"], e[way]) for n, e in errors.items() if (n not in unjudged) == judged]
+                if points:
+                    ax.scatter(*zip(*points), s=12, marker=marker, color=color, facecolors="none" if marker == "o"
+                               else None, label=f"{way}{'' if judged else ', not judged'}")
+        low = max(min(min(e["plain"], e["eager"], e["compiled"]) for e in errors.values()), 1e-12)
+        high = max(max(e["plain"], e["eager"], e["compiled"]) for e in errors.values())
+        line = [low, high]
+        ax.plot(line, line, color="grey", lw=0.8, label="the level")
+        ax.plot(line, [bounds["over_level"] * v for v in line], color="#dd8452", ls="--",
+                label=f"{bounds['over_level']:g} x the level")
+        ax.axhline(bounds["floor"], color="#937860", ls=":", lw=0.8, label=f"floor {bounds['floor']:g}")
+        ax.set(xscale="log", yscale="log", xlabel="plain step's error (the level)", title=f"{arm}: {kind}")
+    axes[0][0].set_ylabel("error against float64")
+    axes[0][0].legend(fontsize=6)
+    fig.suptitle(f"the step's gradients, {data['gpu']}, torch {data['torch']}: verdict {data['verdict']}",
+                 fontsize=9)
+    return _save(fig, out / name)
+
+
 def step_lines(log: Path) -> list[dict]:
     """Rank 0's step lines of a `creditlab train` log as rows: update, kind, seconds."""
     rows = []

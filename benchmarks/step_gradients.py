@@ -12,8 +12,8 @@ gradients and the fit's statistics). The plain error is the precision's level: a
 eager error is over 4 x the level (a fused module's or kernel's), the compiled error over 4 x the larger of
 eager's and the level (the compiler's), either also over 1e-3, or the level over 0.1; one of fewer than 16
 elements whose level could reach the flags (the scalar mixes in bf16) is listed, not judged. Writes
-DIR/step_gradients.json (every parameter) and DIR/step_gradients.md; exits 1 when anything is flagged. Any CUDA
-machine.
+DIR/step_gradients.json (every parameter), DIR/step_gradients.md and DIR/step_gradients.png (each parameter's
+error over its level); exits 1 when anything is flagged. Any CUDA machine.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import plot  # noqa: E402
 from arms import overrides_of  # noqa: E402
 from creditlab import step_check  # noqa: E402
 from creditlab.runtime import gpu_benchmark_folder, write_benchmark  # noqa: E402
@@ -102,6 +103,7 @@ def main() -> int:
         lines += summary_rows(arm, r)
     lines += ["", f"Verdict: **{verdict}**."]
     write_benchmark(out, "step_gradients", result, lines)
+    plot.plot_step_gradients(out / "step_gradients.json", out, "step_gradients.png")
     return 0 if verdict == "consistent" else 1
 
 

@@ -147,6 +147,7 @@ def test_the_benchmark_writes_every_arms_table_and_exits_1_when_anything_is_flag
             line.startswith("| learned")] == [["| native", "native"], ["| learned", "synthetic"],
                                                ["| learned", "teacher"]]
     assert "Verdict: **consistent**" in table
+    assert (tmp_path / "good" / "step_gradients.png").stat().st_size > 10_000
     result = json.loads((tmp_path / "good" / "step_gradients.json").read_text())
     assert set(result["arms"]["learned"]["errors"]) == {"synthetic", "teacher"}
 
