@@ -11,6 +11,7 @@ import torch
 from creditlab import config
 from creditlab import runtime as rt
 from creditlab import step_check
+from creditlab.credit import registry
 from creditlab.model import GPT
 
 TINY = ["model.vocab_size=97", "train.compile=on"]
@@ -42,6 +43,14 @@ def test_the_compiled_step_agrees_with_the_float64_reference(source, kinds, aot_
         assert ("source.fit_gram" in fitted and "source.fit_cross" in fitted) == (kind == "teacher" and bool(extra))
         for err in errors.values():  # float32 against float64
             assert 0 < err["compiled"] < 1e-4 and 0 < err["eager"] < 1e-4 and 0 < err["plain"] < 1e-4
+
+
+@pytest.mark.parametrize("source", registry.SOURCES)
+def test_every_registered_source_compiles_to_the_float64_gradients(source, aot_eager):
+    """A new source is one class and one registration line: its step is checked here with no test of its own."""
+    result = step_check.check_step("tiny", [*TINY, f"credit.source={source}"], say=lambda line: None)
+    assert result["verdict"] == "consistent" and not result["unjudged"], result["flagged"]
+    assert all(err["compiled"] < 1e-4 for errors in result["errors"].values() for err in errors.values())
 
 
 def _dropping_backend(output: int):
