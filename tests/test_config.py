@@ -209,7 +209,12 @@ def test_out_of_range_values_name_the_key_the_value_and_the_range(overrides, fra
     "compare.reference=learned@credit.schedule=warmup:20,4", "train.device=cuda", "train.dtype=bf16",
 ])
 def test_range_boundaries_are_accepted(override):
-    config.load("tiny", [override])  # device and dtype are checked against the machine when a run starts
+    # device and dtype are checked against the machine when a run starts, not here
+    cfg = config.load("tiny", [override])
+    key, _, value = override.partition("=")
+    section, name = key.split(".")
+    got = getattr(getattr(cfg, section), name)
+    assert got == (type(got)(value) if not isinstance(got, str) else value), (override, got)
 
 
 def test_reference_arms_are_every_arm_but_native_and_the_budgeted():

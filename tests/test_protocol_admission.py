@@ -110,6 +110,9 @@ def test_an_altered_admission_listing_is_refused(tmp_path, tree):
     (a.dir / adm.ADMISSION_FILE).write_text(json.dumps(meta))
     with pytest.raises(adm.AdmissionError, match="altered"):
         adm.load(a.dir)
+    (a.dir / adm.ADMISSION_FILE).write_text(json.dumps(meta)[:40])  # cut short
+    with pytest.raises(adm.AdmissionError, match="admission.json is not readable JSON .*admit again"):
+        adm.load(a.dir)
 
 
 def test_data_manifest_is_frozen_when_data_are_prepared(tmp_path, tree):

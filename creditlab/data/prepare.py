@@ -36,6 +36,7 @@ from creditlab.data.documents import Document
 from creditlab.data.shards import HEADER_BYTES, MAX_VOCAB, ShardError, file_sha256, read_header, write_shard
 from creditlab.data.sources import DEFAULT_SOURCE, Source, open_source
 from creditlab.data.splits import DEFAULT_FRACTIONS, SPLITS, check_fractions, split_of
+from creditlab.protocol.records import read_json
 
 MANIFEST = "manifest.json"
 DOCUMENTS = "documents.jsonl"
@@ -65,11 +66,8 @@ def load_manifest(data_dir: str | Path) -> dict:
     if not path.exists():
         raise NotPreparedError(f"no prepared data in {data_dir} ({MANIFEST} is missing); run "
                                f"`creditlab data prepare --source {DEFAULT_SOURCE} --out {data_dir}`")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ShardError(f"{path} is not readable JSON ({getattr(exc, 'msg', 'not text')}): prepare the data "
-                         f"again with `creditlab data prepare ... --out {data_dir} --force`") from None
+    return read_json(path, ShardError, f"prepare the data again with `creditlab data prepare ... --out {data_dir} "
+                                       f"--force`")
 
 
 def manifest_sha256(data_dir: str | Path) -> str:

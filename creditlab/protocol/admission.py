@@ -46,8 +46,8 @@ from pathlib import Path
 
 from creditlab.config import COSMETIC_KEYS, Config
 from creditlab.data.integrity import DigestCache, shard_problems
-from creditlab.protocol.records import append_jsonl, canonical_json, read_jsonl, sha256_file, write_bytes_once, \
-    write_once
+from creditlab.protocol.records import append_jsonl, canonical_json, read_json, read_jsonl, sha256_file, \
+    write_bytes_once, write_once
 
 FORMAT = "creditlab-admission/1"
 ADMISSIONS = "admissions"
@@ -281,11 +281,7 @@ def load(path: str | os.PathLike) -> Admission:
     meta_path = path / ADMISSION_FILE
     if not meta_path.exists():
         raise AdmissionError(f"{path} is not an admission ({ADMISSION_FILE} is missing)")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise AdmissionError(f"{meta_path} is not readable JSON ({getattr(exc, 'msg', 'not text')}): the admission "
-                             f"record was damaged; admit again into a new folder") from None
+    meta = read_json(meta_path, AdmissionError, "the admission record was damaged; admit again into a new folder")
     files = [FrozenFile(f["path"], f["role"], f["sha256"]) for f in meta["files"]]
     ident = admission_id(files)
     if ident != meta["admission"] or ident != path.name:

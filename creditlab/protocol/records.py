@@ -227,14 +227,15 @@ def _alive(host: str, pid: int) -> bool:
     return pid != 0
 
 
-def read_json(path: str | os.PathLike):
-    """A record's JSON file; one that does not parse is a RecordError naming it."""
+def read_json(path: str | os.PathLike, error: type[Exception] = RecordError,
+              remedy: str = "it was cut short or edited; restore it from a copy, or start a new record"):
+    """A JSON file of a record (or of prepared data, or an admission): one that does not parse raises `error`
+    in one line naming the file, what is wrong and `remedy`."""
     try:
         return json.loads(Path(path).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         reason = f"{exc.msg} at line {exc.lineno}" if isinstance(exc, json.JSONDecodeError) else "not text"
-        raise RecordError(f"{path} is not readable JSON ({reason}): it was cut short or edited; restore it from "
-                          f"a copy, or start a new record") from None
+        raise error(f"{path} is not readable JSON ({reason}): {remedy}") from None
 
 
 def read_jsonl(path: str | os.PathLike, partial_last: bool = False) -> list[dict]:
