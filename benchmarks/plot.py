@@ -190,8 +190,13 @@ def plot_host_lead(result_json: Path, out: Path, name: str, skip: int = 2) -> Pa
 
 def plot_screens(records: Path, out: Path) -> Path:
     screens = sorted(p for p in records.iterdir() if (p / "rows.jsonl").exists())
-    fig, axes = plt.subplots(1, len(screens), figsize=(4.2 * len(screens), 3.6), sharey=True)
-    for ax, folder in zip(axes, screens):
+    columns = min(4, len(screens))
+    rows_of_panels = -(-len(screens) // columns)
+    fig, axes = plt.subplots(rows_of_panels, columns, figsize=(4.2 * columns, 3.6 * rows_of_panels), sharey=True,
+                             squeeze=False)
+    for ax in axes.flat[len(screens):]:
+        ax.set_visible(False)
+    for ax, folder in zip(axes.flat, screens):
         rows = [json.loads(line) for line in (folder / "rows.jsonl").read_text().splitlines() if line.strip()]
         config = json.loads((folder / "config.json").read_text())
         result = json.loads((folder / "result.json").read_text())
@@ -202,13 +207,45 @@ def plot_screens(records: Path, out: Path) -> Path:
                         color=color, label=f"{arm} (peak {max(r['peak_allocated_mib'] for r in arm_rows):,.0f} MiB)")
         cap = config["screen"]["memory_cap_mib"]
         kind = "materialized" if config["credit"]["materialized"] else "streaming"
-        ax.set_title(f"{folder.name[:8]}: {'cap ' + format(cap, ',.0f') + ' MiB' if cap else 'no cap'}, {kind}\n"
+        ax.set_title(f"{folder.name[:15]}: {'cap ' + format(cap, ',.0f') + ' MiB' if cap else 'no cap'}, {kind}\n"
                      f"verdict: {result['verdict']}", fontsize=9)
         ax.set_xlabel("update")
         ax.set_ylim(0.27, 0.4)
         ax.legend(fontsize=7, loc="upper right")
-    axes[0].set_ylabel("s/update (first update: compilation, off scale)")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("s/update (first update off scale)")
     return _save(fig, out / "screen_seed.png")
+
+
+def overlap_rounds_ms(result: dict, skip: int = 2) -> dict[str, list[float]]:
+    """Per arm, and for the block's wall time per update, overlapped less settled in ms for each round after the
+    first `skip` (overlap.py's), leaving out the rounds in which the arm led its overlapped block (no time)."""
+    times, walls = result["times"], result["wall_per_update"]
+    series = {arm: [1e3 * (o - s) for o, s in zip(times["overlapped"][arm][skip:], times["settled"][arm][skip:])
+                    if o is not None] for arm in times["settled"]}
+    series["wall per update"] = [1e3 * (o - s) for o, s in zip(walls["overlapped"][skip:], walls["settled"][skip:])]
+    return series
+
+
+def plot_overlap(result_json: Path, out: Path, name: str) -> Path:
+    """`benchmarks/overlap.py`: per arm, the overlapped less the settled update time of each round, and the block's
+    wall time per update the same way, in ms, with the median and its 95% interval."""
+    result = json.loads(result_json.read_text())
+    series = overlap_rounds_ms(result)
+    summaries = {**{arm: r["overlapped_less_settled_ms"] for arm, r in result["arms"].items()},
+                 "wall per update": result["wall_overlapped_less_settled_ms"]}
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    for i, (label, values) in enumerate(series.items()):
+        median, low, high = summaries[label]
+        ax.scatter([i] * len(values), values, s=12, color="#8c8c8c", alpha=0.6)
+        ax.errorbar([i + 0.15], [median], yerr=[[median - low], [high - median]], fmt="o", color="#c44e52",
+                    capsize=3, label="median, 95% interval" if i == 0 else None)
+    ax.axhline(0, color="black", lw=0.6)
+    ax.set_xticks(range(len(series)), list(series))
+    ax.set_ylabel("overlapped less settled, ms (each round)")
+    ax.set_title("the next update queued before this one is read, against settled", fontsize=9)
+    ax.legend(fontsize=7)
+    return _save(fig, out / name)
 
 
 def plot_kernel_bandwidth(bandwidth_json: Path, out: Path, name: str, top: int = 10) -> Path:
@@ -317,6 +354,8 @@ ARMS_FIGURES = [
      "credit arms overlapped, first form (its read waited for the next update)"),
     ("arms_settled_first_seed.json", "arms_settled_first_seed.png",
      "credit arms settled, the same machine, after the overlapped process"),
+    ("arms_overlapped_final_seed.json", "arms_overlapped_final_seed.png",
+     "credit arms overlapped (the corrected loop), the final tree"),
 ]
 
 
@@ -605,6 +644,8 @@ def main() -> None:
     print(plot_gate_decode(results / "gate_decode_seed.json", out, "gate_decode_seed.png"))
     print(plot_kernel_bandwidth(results / "kernel_bandwidth_seed.json", out, "kernel_bandwidth_seed.png"))
     print(plot_host_lead(results / "host_lead_seed.json", out, "host_lead_seed.png"))
+    print(plot_overlap(results / "overlap_seed.json", out, "overlap_seed.png"))
+    print(plot_step_gradients(results / "step_gradients_seed.json", out, "step_gradients_seed.png"))
     print(plot_kernel_classes({"native, before the fused modules": results / "profile_native_busy_seed.txt",
                                "native now": results / "profile_native_final_busy_seed.txt",
                                "zero now": results / "profile_zero_final_busy_seed.txt",

@@ -208,8 +208,8 @@ class TrainConfig:
     prefetch: bool = True
     # `train`'s loop queues the next update before it reads this one's loss and checks it is finite, so the GPU
     # need not wait for the host between updates; an update's seconds then come from CUDA events around its work.
-    # Settled (read before the next is queued) where a checkpoint, an evaluation or the run's end follows. Off
-    # until its gain is measured (benchmarks/native_seed.md).
+    # Settled (read before the next is queued) where a checkpoint, an evaluation or the run's end follows. Off:
+    # side by side with the settled loop it gained nothing beyond the spread (benchmarks/native_seed.md).
     overlap: bool = False
     activation_budget: float = 1.0  # < 1: ask the compiler to recompute activations to fit this fraction
     device: str = "auto"  # auto | cpu | cuda

@@ -1,5 +1,6 @@
 """The benchmark's arm names resolve to valid configs on the CPU, before any GPU time is spent on them."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -464,7 +465,7 @@ def test_the_overlap_benchmark_reads_each_update_after_the_next_is_queued_and_le
     assert log == ["queue c", "read c", "queue a", "read a", "queue b", "read b"] and seconds == {"a": 1, "b": 2, "c": 3}
 
 
-def test_the_overlap_benchmark_pairs_each_arms_kinds_round_by_round():
+def test_the_overlap_benchmark_pairs_each_arms_kinds_round_by_round(tmp_path):
     overlap = load("overlap")
     trainers = {n: _LoggedTrainer(n, [], s) for n, s in (("a", 1.0), ("b", 2.0))}
     result = overlap.run(trainers, 6, lambda: None, say=lambda line: None)
@@ -483,3 +484,10 @@ def test_the_overlap_benchmark_pairs_each_arms_kinds_round_by_round():
     assert summary["arms"]["b"]["overlapped_less_settled_ms"][0] == pytest.approx(0.0)
     assert summary["wall_overlapped_less_settled_ms"][0] == pytest.approx(-100.0)
     assert any(line.startswith("| a | 1.0000 | 0.7500 | -250.0") for line in lines)
+    # the figure's points: the same rounds, each round's difference
+    result.update(summary)
+    series = load("plot").overlap_rounds_ms(result)
+    assert series["a"] == pytest.approx([-250.0] * 4) and series["b"] == pytest.approx([0.0] * 4)
+    assert series["wall per update"] == pytest.approx([-100.0] * 8)
+    (tmp_path / "o.json").write_text(json.dumps(result))
+    assert load("plot").plot_overlap(tmp_path / "o.json", tmp_path, "o.png").stat().st_size > 0
