@@ -71,6 +71,7 @@ ARMS = {
 MODIFIERS = {
     "tuned": ["train.compile_mode=coordinate-descent"],
     "autotune": ["train.compile_mode=max-autotune-no-cudagraphs"],
+    "autotune_gemm": ["train.compile_mode=autotune-gemm"],  # the compiler's products alone autotuned
     "eager": ["train.compile=off"],
     "plain_mlp": ["model.mlp=plain", "model.recompute=mlp"],  # ReLU^2 op by op, recomputed (the earlier default)
     "fused_qk": ["model.qk=fused"],

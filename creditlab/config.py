@@ -174,7 +174,7 @@ def parse_recompute(spec: str) -> frozenset[str]:
     return parts
 
 
-COMPILE_MODES = ("default", "coordinate-descent", "pdl", "max-autotune-no-cudagraphs")
+COMPILE_MODES = ("default", "coordinate-descent", "pdl", "autotune-gemm", "max-autotune-no-cudagraphs")
 
 
 @dataclass
@@ -199,8 +199,9 @@ class TrainConfig:
     compile: str = "auto"  # auto (on CUDA) | on | off
     compile_mode: str = "default"  # default | coordinate-descent (tune fused kernels' launch configs) |
     # pdl (generated kernels launched as programmatic dependents: each may start while the one before finishes;
-    # Hopper and later; no gain measured, benchmarks/native_seed.md) | max-autotune-no-cudagraphs (also Triton matmuls with fused epilogues; compiles for many
-    # minutes)
+    # Hopper and later; no gain measured, benchmarks/native_seed.md) | autotune-gemm (each product the compiler
+    # places benchmarked against its Triton templates, which can take a pointwise epilogue; the generated
+    # pointwise kernels untuned) | max-autotune-no-cudagraphs (both tuned; compiles for many minutes)
     sdpa: str = "auto"  # attention kernel: auto | flash | cudnn | efficient | math
     # Make the next update's first micro-batch while the GPU still runs this update's last backward, not after
     # the synchronization that opens the next update (a loader's pure batch_at, so its position stays what a

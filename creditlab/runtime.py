@@ -93,7 +93,8 @@ def leave_process_group() -> None:
         dist.destroy_process_group()
 
 
-COMPILE_OPTIONS = {"coordinate-descent": {"coordinate_descent_tuning": True}, "pdl": {"triton.enable_pdl": True}}
+COMPILE_OPTIONS = {"coordinate-descent": {"coordinate_descent_tuning": True}, "pdl": {"triton.enable_pdl": True},
+                   "autotune-gemm": {"max_autotune_gemm": True}}
 
 
 def maybe_compile(fn, runtime: Runtime, activation_budget: float = 1.0, mode: str = "default"):

@@ -285,3 +285,23 @@ def test_from_dict_reads_strings_as_overrides_do():
 def test_an_unknown_compile_mode_is_an_error_naming_the_modes():
     with pytest.raises(config.ConfigError, match="max-autotune-no-cudagraphs"):
         config.load("tiny", ["train.compile_mode=fastest"])
+
+
+def test_every_compile_mode_is_one_the_compiler_takes():
+    """A mode passed as per-compile options names inductor settings that exist (a misspelt key would reach the
+    compiler only at the first step on the GPU); the rest are torch.compile's own modes."""
+    import torch
+    import torch._inductor.config as inductor_config
+
+    from creditlab import runtime
+
+    assert set(runtime.COMPILE_OPTIONS) <= set(config.COMPILE_MODES)
+    for mode in config.COMPILE_MODES:
+        if mode in runtime.COMPILE_OPTIONS:
+            for key in runtime.COMPILE_OPTIONS[mode]:
+                node = inductor_config
+                for part in key.split("."):
+                    assert hasattr(node, part), f"{mode}: inductor has no setting {key}"
+                    node = getattr(node, part)
+        elif mode != "default":
+            assert mode in torch._inductor.list_mode_options(), mode
