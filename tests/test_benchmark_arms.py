@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmark_scripts import load
 from creditlab import config
@@ -199,7 +200,7 @@ def test_paired_differences_are_taken_round_by_round():
 
 @pytest.mark.parametrize("script", ["arms", "softcap_ce", "softcap_ce_held", "qk_norm", "relu2_mlp", "fit_rows", "fit_rows_variants", "norm_decode", "fp8_head", "head_loss", "products",
                                     "embedding_grad", "batch_host", "relu2_hopper", "gate_decode", "qkv_rotary", "host_lead",
-                                    "attention_gate", "overlap", "step_gradients"])
+                                    "attention_gate", "attention", "overlap", "step_gradients"])
 def test_gpu_benchmarks_refuse_a_machine_without_cuda(script, tmp_path, monkeypatch, capsys):
     """Exit 2 with one line, and no output folder made, where no CUDA GPU is visible."""
     import sys
@@ -491,3 +492,16 @@ def test_the_overlap_benchmark_pairs_each_arms_kinds_round_by_round(tmp_path):
     assert series["wall per update"] == pytest.approx([-100.0] * 8)
     (tmp_path / "o.json").write_text(json.dumps(result))
     assert load("plot").plot_overlap(tmp_path / "o.json", tmp_path, "o.png").stat().st_size > 0
+
+
+def test_the_attention_benchmark_checks_each_kernel_against_float64_and_can_fail():
+    attention = load("attention")
+    small = attention.inputs(2, 16, 2, 8, "cpu", torch.float32)
+    assert small[0].shape == (2, 2, 16, 8) and not small[0].is_contiguous()  # the model's transposed layout
+    errors = attention.check(attention.attention_fn("math", 16, "cpu"), *small)
+    assert len(errors) == 4 and max(errors) < 1e-5
+    # attention that sees the future is caught in the output and every gradient
+    leaky = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=attention.SCALE)  # noqa: E731
+    assert min(attention.check(leaky, *small)) > 1e-2
+    work = attention.flops(64, 2048, 4, 128)
+    assert work["forward"] == 2 * 64 * 4 * 2048 ** 2 * 128 and work["forward + backward"] == 3.5 * work["forward"]

@@ -1,0 +1,144 @@
+"""Causal attention at the seed shape, forward and forward + backward, in each kernel PyTorch offers here: SDPA's
+cuDNN, FlashAttention-2 and memory-efficient backends, and FlexAttention compiled with a causal block mask.
+
+    python benchmarks/attention.py --out DIR [--batch 64] [--seq 2048] [--heads 4] [--head-dim 128]
+
+The inputs are laid out as the model lays them out: (batch, sequence, heads, head dim), transposed to SDPA's
+order without a copy, scale 0.12, bf16. Each path is first checked on the first two sequences against float64
+(output and the three input gradients), then all are timed in alternated rounds on the whole micro-batch.
+TFLOP/s count a causal forward as 2 B H T^2 D (half of the two products) and the backward as 2.5 times that, as
+FlashAttention's papers count them. A path that fails is reported, not fatal. Writes DIR/attention.json and
+DIR/attention.md; any CUDA machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fp8_head import alternated_rounds, ratio_text, round_summary  # noqa: E402
+
+from creditlab.runtime import gpu_benchmark_folder, largest_relative_error, write_benchmark  # noqa: E402
+
+SCALE = 0.12  # the model's attention scale
+BACKENDS = ("cudnn", "flash", "efficient", "flex")
+
+
+def attention_fn(backend: str, seq: int, device: str):
+    """attend(q, k, v) in (batch, heads, sequence, head dim) order, causal, with one kernel."""
+    if backend == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        mask = create_block_mask(lambda b, h, q, k: q >= k, None, None, seq, seq, device=device)
+        compiled = torch.compile(flex_attention)
+        return lambda q, k, v: compiled(q, k, v, block_mask=mask, scale=SCALE)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kind = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend]
+
+    def attend(q, k, v):
+        with sdpa_kernel(kind):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=SCALE)
+
+    return attend
+
+
+def inputs(batch: int, seq: int, heads: int, head_dim: int, device: str, dtype=torch.bfloat16, seed: int = 0):
+    """q, k, v (as the model transposes them, no copy) and the output's gradient, from one seed."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q, k, v, dout = (torch.randn(batch, seq, heads, head_dim, generator=g).to(device, dtype).transpose(1, 2)
+                     for _ in range(4))
+    return q, k, v, dout.contiguous()
+
+
+def forward_and_backward(attend, q, k, v, dout):
+    """The output and the gradients of q, k and v."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = attend(q, k, v)
+    return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+
+def reference(q, k, v, dout):
+    """Output and input gradients in float64, op by op."""
+    return forward_and_backward(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=SCALE),
+                                *(t.double() for t in (q, k, v, dout)))
+
+
+def check(attend, q, k, v, dout) -> list[float]:
+    """Each of the path's four results' largest relative error against float64."""
+    want = reference(q, k, v, dout)
+    got = forward_and_backward(attend, q, k, v, dout)
+    return [largest_relative_error(a, b) for a, b in zip(got, want, strict=True)]
+
+
+def flops(batch: int, seq: int, heads: int, head_dim: int) -> dict[str, float]:
+    forward = 2.0 * batch * heads * seq * seq * head_dim
+    return {"forward": forward, "forward + backward": 3.5 * forward}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--backends", default=",".join(BACKENDS))
+    args = ap.parse_args()
+    out = gpu_benchmark_folder(args.out)
+    if out is None:
+        return 2
+    B, T, H, D = args.batch, args.seq, args.heads, args.head_dim
+    q, k, v, dout = inputs(B, T, H, D, "cuda")
+    small = [t[:2] for t in (q, k, v, dout)]
+    trained = [t.detach().requires_grad_() for t in (q, k, v)]
+    runs, errors, failures = {}, {}, {}
+    for backend in args.backends.split(","):
+        try:
+            attend = attention_fn(backend, T, "cuda")
+            errors[backend] = check(attend, *small)
+            torch.cuda.synchronize()
+        except Exception as error:  # noqa: BLE001 - a kernel this machine lacks is a row of the table
+            failures[backend] = "".join(traceback.format_exception_only(error))[-2000:]
+            print(f"{backend}: failed\n{failures[backend]}", flush=True)
+            continue
+        # the forward as training runs it: inputs that ask for gradients, so it keeps what its backward reads
+        runs[f"{backend}: forward"] = lambda a=attend: a(*trained)
+        runs[f"{backend}: forward + backward"] = lambda a=attend: forward_and_backward(a, q, k, v, dout)
+    times = alternated_rounds(runs) if runs else {}
+    work = flops(B, T, H, D)
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "cudnn": torch.backends.cudnn.version(), "shape": {"batch": B, "seq": T, "heads": H, "head_dim": D},
+              "flops": work, "paths": {}, "errors": errors, "failures": failures}
+    lines = [f"# Causal attention, {B} x {T} tokens, {H} heads of {D}, bf16 ({result['gpu']}, torch {torch.__version__}, "
+             f"cuDNN {result['cudnn']})", "",
+             "Ten alternated rounds of five calls; ms per call. Ratio: over the first backend's same pass, round by "
+             "round. Errors (output, d q, d k, d v): the largest entry's difference from float64 over the float64 "
+             "result's largest entry, on the first two sequences.", "",
+             "| backend: pass | ms per call | TFLOP/s | over the first backend, per round (range) | errors |",
+             "|---|---|---|---|---|"]
+    first = {}
+    for name, ms in times.items():
+        backend, kind = name.split(": ")
+        first.setdefault(kind, name)
+        r = round_summary(ms, times[first[kind]])
+        rate = work[kind] / (r["median_ms"] * 1e-3) / 1e12
+        result["paths"][name] = r | {"tflops": rate}
+        lines.append(f"| {name} | {r['median_ms']:.3f} | {rate:.0f} | {ratio_text(r)} | "
+                     + ", ".join(f"{e:.1e}" for e in errors[backend]) + " |")
+    lines += [f"| {name} | failed: {why.strip().splitlines()[-1][:200]} | | | |" for name, why in failures.items()]
+    write_benchmark(out, "attention", result, lines)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
