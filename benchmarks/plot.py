@@ -236,10 +236,12 @@ def plot_overlap(result_json: Path, out: Path, name: str) -> Path:
                  "wall per update": result["wall_overlapped_less_settled_ms"]}
     fig, ax = plt.subplots(figsize=(6.4, 3.4))
     for i, (label, values) in enumerate(series.items()):
-        median, low, high = summaries[label]
         ax.scatter([i] * len(values), values, s=12, color="#8c8c8c", alpha=0.6)
+        if summaries[label] is None:  # too few rounds for an interval (overlap.py's summary)
+            continue
+        median, low, high = summaries[label]
         ax.errorbar([i + 0.15], [median], yerr=[[median - low], [high - median]], fmt="o", color="#c44e52",
-                    capsize=3, label="median, 95% interval" if i == 0 else None)
+                    capsize=3, label=None if ax.get_legend_handles_labels()[1] else "median, 95% interval")
     ax.axhline(0, color="black", lw=0.6)
     ax.set_xticks(range(len(series)), list(series))
     ax.set_ylabel("overlapped less settled, ms (each round)")

@@ -44,7 +44,7 @@ def summary_rows(arm: str, result: dict) -> list[str]:
     rows = []
     for kind, errors in result["errors"].items():
         unjudged = [f["parameter"] for f in result["unjudged"] if f["kind"] == kind]
-        judged = {name: e for name, e in errors.items() if name not in unjudged}
+        judged = step_check.judged_errors(errors, result["unjudged"], kind)
         if not judged:
             rows.append(f"| {arm} | {kind} | - | - | - | - | {len(unjudged)} (every parameter) | 0 |")
             continue

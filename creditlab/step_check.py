@@ -141,15 +141,15 @@ def check_step(preset: str, overrides, micro_batch: int = 2, seed: int = 0, say=
                 unjudged.append({"kind": kind, "parameter": name, **err})
             elif why:
                 flagged.append({"kind": kind, "parameter": name, **err, "why": why})
-        left_out = {f["parameter"] for f in unjudged if f["kind"] == kind}
-        judged = {name: err for name, err in errors[kind].items() if name not in left_out}
+        judged = judged_errors(errors[kind], unjudged, kind)
+        left_out = len(errors[kind]) - len(judged)
         if judged:  # the largest over the judged parameters, as the benchmark's table reads them
             worst = largest(judged, "compiled")
             say(f"{kind}: largest judged compiled error {judged[worst]['compiled']:.2e} ({worst}; eager "
                 f"{judged[worst]['eager']:.2e}, plain {judged[worst]['plain']:.2e}), "
-                f"{sum(1 for f in flagged if f['kind'] == kind)} flagged, {len(left_out)} not judged at this precision")
+                f"{sum(1 for f in flagged if f['kind'] == kind)} flagged, {left_out} not judged at this precision")
         else:
-            say(f"{kind}: no parameter judged at this precision ({len(left_out)} too small)")
+            say(f"{kind}: no parameter judged at this precision ({left_out} too small)")
     return {"errors": errors, "flagged": flagged, "unjudged": unjudged,
             "verdict": "consistent" if not flagged else "INCONSISTENT",
             "bounds": {"over_level": OVER_LEVEL, "floor": FLOOR, "min_elements": MIN_ELEMENTS, "ceiling": CEILING},
@@ -172,6 +172,12 @@ def judge(err: dict) -> str:
     if compiled > max(OVER_LEVEL * max(eager, level), FLOOR):
         reasons.append("compiled over eager")
     return ", ".join(reasons)
+
+
+def judged_errors(errors: dict, unjudged: list[dict], kind: str) -> dict:
+    """One kind's {parameter: errors}, less the parameters `unjudged` lists for that kind."""
+    left_out = {f["parameter"] for f in unjudged if f["kind"] == kind}
+    return {name: err for name, err in errors.items() if name not in left_out}
 
 
 def largest(errors: dict, way: str) -> str:
