@@ -358,6 +358,8 @@ ARMS_FIGURES = [
      "credit arms settled, the same machine, after the overlapped process"),
     ("arms_overlapped_final_seed.json", "arms_overlapped_final_seed.png",
      "credit arms overlapped (the corrected loop), the final tree"),
+    ("arms_autotune_gemm_h100_seed.json", "arms_autotune_gemm_h100_seed.png",
+     "native with the compiler's products autotuned (train.compile_mode=autotune-gemm), one H100"),
 ]
 
 
@@ -461,6 +463,14 @@ MLP_PATHS = ("time over the product's Triton kernel, per round (median, range of
 QKV_PATHS = ("time over the step's model.qk=fused forward, per round (median, range of 10 alternated rounds)",
              "the Q/K/V product with QK-norm and rotary (model.qk=product, Triton and Gluon)\n"
              "131,072 x 512 -> 3 x 512, 4 heads of 128, bf16, one H200")
+TWO_PROGRAMS_PATHS = ("time over the first path of the same product, per round (median, range of 10 alternated "
+                      "rounds)", "the fused MLP's products with one warpgroup a program, two programs a "
+                      "multiprocessor,\nagainst the default tiling; 131,072 x 512 -> 2,048, bf16, one H100")
+QKV_TWO_PROGRAMS_PATHS = (QKV_PATHS[0], "the Q/K/V product with QK-norm and rotary, with one warpgroup a program, two "
+                          "programs a multiprocessor\n131,072 x 512 -> 3 x 512, 4 heads of 128, bf16, one H100")
+ATTENTION_PATHS = ("time over cuDNN's same pass, per round (median, range of 10 alternated rounds)",
+                   "causal attention in each kernel PyTorch offers, forward and forward + backward\n"
+                   "64 x 2,048 tokens, 4 heads of 128, bf16, one H100")
 GATE_PATHS = ("time over cuBLAS's products of the same direction, per round (median, range of 10 alternated rounds)",
               "the attention gate's thin product (model.attn_gate=fused), forward and backward\n"
               "131,072 tokens x 12 -> 4, bf16, CUDA graphs of 20 calls, one H200")
@@ -642,6 +652,11 @@ def main() -> None:
     print(plot_path_ratios([results / "relu2_hopper_expand_seed.json"], out, "relu2_hopper_expand_seed.png"))
     print(plot_path_ratios([results / "qkv_rotary_seed.json"], out, "qkv_rotary_seed.png", QKV_PATHS))
     print(plot_path_ratios([results / "attention_gate_seed.json"], out, "attention_gate_seed.png", GATE_PATHS))
+    print(plot_path_ratios([results / "relu2_hopper_two_programs_h100_seed.json"], out,
+                           "relu2_hopper_two_programs_h100_seed.png", TWO_PROGRAMS_PATHS))
+    print(plot_path_ratios([results / "qkv_rotary_two_programs_h100_seed.json"], out,
+                           "qkv_rotary_two_programs_h100_seed.png", QKV_TWO_PROGRAMS_PATHS))
+    print(plot_path_ratios([results / "attention_h100_seed.json"], out, "attention_h100_seed.png", ATTENTION_PATHS))
     print(plot_gate_decode(results / "gate_decode_first_seed.json", out, "gate_decode_first_seed.png"))
     print(plot_gate_decode(results / "gate_decode_seed.json", out, "gate_decode_seed.png"))
     print(plot_kernel_bandwidth(results / "kernel_bandwidth_seed.json", out, "kernel_bandwidth_seed.png"))

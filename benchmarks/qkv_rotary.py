@@ -25,6 +25,7 @@ from creditlab.kernels import qk_norm_rotary as qk_kernels  # noqa: E402
 from creditlab.kernels import qkv_hopper  # noqa: E402
 from creditlab.kernels import qkv_rotary  # noqa: E402
 from creditlab.kernels import relu2_matmul as rm  # noqa: E402
+from creditlab.kernels._triton import multiprocessors  # noqa: E402
 from creditlab.model import Rotary, norm  # noqa: E402
 from creditlab.qk_norm import reference_forward  # noqa: E402
 from creditlab.runtime import write_benchmark  # noqa: E402
@@ -70,6 +71,14 @@ def main() -> int:
             paths.append((f"Gluon product + QK-norm epilogue: {qkv_hopper.BLOCK_M} x {heads * hd} x "
                           f"{qkv_hopper.BLOCK_K}, groups of {group}, {stages} stages, previous store waited for at K "
                           f"step {post_step}{' (model.qk_kernel=gluon)' if chosen else ''}",
+                          lambda t=tiling: tuple(qkv_hopper.qkv_norm_rotary(
+                              x, w, rot.cos, rot.sin, H, T, 1e-6, **t)[0].view(3, B, T, H, hd)), want))
+        # one warpgroup a program, two programs a multiprocessor (as benchmarks/relu2_hopper.py's)
+        two = 2 * multiprocessors(x.device.index or 0)
+        for bm, heads, stages in ((64, 2, 2), (128, 1, 2)):
+            tiling = dict(block_m=bm, heads_per_tile=heads, stages=stages, warps=4, programs=two)
+            paths.append((f"Gluon product + QK-norm epilogue: {bm} x {heads * hd} x {qkv_hopper.BLOCK_K}, "
+                          f"{stages} stages, 4 warps, two programs a multiprocessor",
                           lambda t=tiling: tuple(qkv_hopper.qkv_norm_rotary(
                               x, w, rot.cos, rot.sin, H, T, 1e-6, **t)[0].view(3, B, T, H, hd)), want))
     times, errors, failures, _, base = checked_paths({"forward": paths})  # q, k and v each against float64

@@ -22,6 +22,7 @@ from fp8_head import checked_paths, error_text, failure_rows, ratio_text, round_
 from relu2_mlp import mlp_problem  # noqa: E402
 
 from creditlab.kernels import relu2_hopper as hopper  # noqa: E402
+from creditlab.kernels._triton import multiprocessors  # noqa: E402
 from creditlab.kernels import relu2_matmul as rm  # noqa: E402
 from creditlab.runtime import write_benchmark  # noqa: E402
 
@@ -56,6 +57,17 @@ def main() -> int:
                                 lambda s=post_step, g=group: hopper.relu2_dgrad(dy, w_proj, post, post_step=s,
                                                                                 group_m=g), want_dgrad))
     groups["dgrad"].append(("Gluon, no epilogue", lambda: hopper.relu2_dgrad(dy, w_proj, None), want_plain))
+    # One warpgroup a program and two programs a multiprocessor, so that one program's epilogue can run beside
+    # the other's products (the accumulator at most 64 x 256 or 128 x 128 at 255 registers a thread; two
+    # programs' operand stages and tile buffers within the multiprocessor's shared memory).
+    two = 2 * multiprocessors(x.device.index or 0)
+    for bm, bn, bk, stages in ((64, 256, 64, 2), (64, 256, 32, 3), (128, 128, 64, 2)):
+        tiling = dict(block_m=bm, block_n=bn, block_k=bk, stages=stages, warps=4, programs=two)
+        label = f"{bm} x {bn} x {bk}, {stages} stages, 4 warps, two programs a multiprocessor"
+        groups["dgrad"].append((f"Gluon + derivative epilogue: {label}",
+                                lambda t=tiling: hopper.relu2_dgrad(dy, w_proj, post, **t), want_dgrad))
+        groups["expand"].append((f"expansion: Gluon + ReLU^2 epilogue: {label}",
+                                 lambda t=tiling: hopper.relu2_linear(x, w_fc, **t), want_expand))
 
     times, errors, failures, group_of, base = checked_paths(groups)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "M": M, "K": d, "N": m,

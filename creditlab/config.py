@@ -201,7 +201,7 @@ class TrainConfig:
     # pdl (generated kernels launched as programmatic dependents: each may start while the one before finishes;
     # Hopper and later; no gain measured, benchmarks/native_seed.md) | autotune-gemm (each product the compiler
     # places benchmarked against its Triton templates, which can take a pointwise epilogue; the generated
-    # pointwise kernels untuned) | max-autotune-no-cudagraphs (both tuned; compiles for many minutes)
+    # pointwise kernels untuned; cuBLAS won, no gain measured) | max-autotune-no-cudagraphs (both tuned; compiles for many minutes)
     sdpa: str = "auto"  # attention kernel: auto | flash | cudnn | efficient | math
     # Make the next update's first micro-batch while the GPU still runs this update's last backward, not after
     # the synchronization that opens the next update (a loader's pure batch_at, so its position stays what a

@@ -99,18 +99,21 @@ def supported(x: torch.Tensor, w: torch.Tensor, heads: int) -> bool:
 
 def qkv_norm_rotary(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, T: int,
                     eps: float, heads_per_tile: int = HEADS_PER_TILE, group_m: int = GROUP_M, stages: int = STAGES,
-                    post_step: int = POST_STEP):
+                    post_step: int = POST_STEP, block_m: int = BLOCK_M, warps: int = WARPS,
+                    programs: int | None = None):
     """qkv_rotary.qkv_norm_rotary's (qkv (3, tokens, width), scales (tokens, 2, heads)) through the Gluon kernel;
-    operands as `supported` takes them. Keywords: the tiling (a tile one or two heads wide; the rest as
-    relu2_hopper's)."""
+    operands as `supported` takes them. Keywords: the tiling (a tile one or two heads wide, `block_m` rows of
+    which the tokens are a whole number; the rest as relu2_hopper's)."""
     x, w, M, K, width, hd = qkv_rotary.checked_operands(x, w, heads, supported(x, w, heads), "Gluon kernel")
     qkv, scales = qkv_rotary.empty_outputs(x, width, heads)
+    if M % block_m:
+        raise ValueError(f"the tokens ({M}) must be a whole number of {block_m}-row tiles")
     block_n = heads_per_tile * hd
-    out_desc = relu2_hopper._descriptor(qkv.view(3 * M, width), [BLOCK_M, block_n])
-    tiles = triton.cdiv(M, BLOCK_M) * (3 * width // block_n)
-    grid = (min(tiles, multiprocessors(x.device.index or 0)),)
-    _qkv_kernel[grid](relu2_hopper._descriptor(x, [BLOCK_M, BLOCK_K]), relu2_hopper._descriptor(w, [block_n, BLOCK_K]),
+    out_desc = relu2_hopper._descriptor(qkv.view(3 * M, width), [block_m, block_n])
+    tiles = triton.cdiv(M, block_m) * (3 * width // block_n)
+    grid = (min(tiles, programs or multiprocessors(x.device.index or 0)),)
+    _qkv_kernel[grid](relu2_hopper._descriptor(x, [block_m, BLOCK_K]), relu2_hopper._descriptor(w, [block_n, BLOCK_K]),
                       out_desc, scales, cos.contiguous(), sin.contiguous(), M, T, eps, WIDTH=width, HD=hd,
                       K_STEPS=K // BLOCK_K, STAGES=stages, GROUP=group_m, POST_STEP=min(post_step, K // BLOCK_K - 1),
-                      num_warps=WARPS)
+                      num_warps=warps)
     return qkv, scales

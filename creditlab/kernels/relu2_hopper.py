@@ -182,7 +182,8 @@ def _descriptor(t: torch.Tensor, block: list[int]):
 
 
 def _launch(a: torch.Tensor, b: torch.Tensor, b_is_kn: bool, epilogue: int, post: torch.Tensor | None = None,
-            post_step: int = 3, group_m: int = GROUP_M, stages: int = STAGES, block_k: int = BLOCK_K,
+            post_step: int = 3, group_m: int = GROUP_M, stages: int = STAGES, block_m: int = BLOCK_M,
+            block_n: int = BLOCK_N, block_k: int = BLOCK_K, warps: int = WARPS,
             programs: int | None = None) -> torch.Tensor:
     M, K = a.shape
     N, b_k = (b.shape[1], b.shape[0]) if b_is_kn else b.shape
@@ -193,14 +194,14 @@ def _launch(a: torch.Tensor, b: torch.Tensor, b_is_kn: bool, epilogue: int, post
         raise ValueError(f"the inner dimension ({K}) must be a multiple of block_k ({block_k})")
     a, b = a.contiguous(), b.contiguous()
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
-    c_desc = _descriptor(out, [BLOCK_M, BLOCK_N])
-    post_desc = _descriptor(post.contiguous(), [BLOCK_M, BLOCK_N]) if post is not None else c_desc
-    tiles = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)
+    c_desc = _descriptor(out, [block_m, block_n])
+    post_desc = _descriptor(post.contiguous(), [block_m, block_n]) if post is not None else c_desc
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     grid = (min(tiles, programs or multiprocessors(a.device.index or 0)),)
-    _mlp_kernel[grid](_descriptor(a, [BLOCK_M, block_k]),
-                      _descriptor(b, [block_k, BLOCK_N] if b_is_kn else [BLOCK_N, block_k]), post_desc, c_desc, M, N,
+    _mlp_kernel[grid](_descriptor(a, [block_m, block_k]),
+                      _descriptor(b, [block_k, block_n] if b_is_kn else [block_n, block_k]), post_desc, c_desc, M, N,
                       K_STEPS=K // block_k, B_IS_KN=b_is_kn, EPILOGUE=epilogue,
-                      POST_STEP=min(post_step, K // block_k - 1), STAGES=stages, GROUP=group_m, num_warps=WARPS)
+                      POST_STEP=min(post_step, K // block_k - 1), STAGES=stages, GROUP=group_m, num_warps=warps)
     return out
 
 
@@ -212,7 +213,8 @@ def relu2_linear(x: torch.Tensor, w: torch.Tensor, **tiles) -> torch.Tensor:
 def relu2_dgrad(dy: torch.Tensor, w: torch.Tensor, post: torch.Tensor | None, **tiles) -> torch.Tensor:
     """(dy w) * 2 sqrt(post) for dy (M, K), w (K, N), post (M, N), one 16-bit dtype; with post None, dy w alone
     (the kernel's own speed). Keywords: the tiling (`post_step`, the K step of each tile at which its post tile is
-    requested; `group_m`, `stages`, `block_k`, `programs`)."""
+    requested; `group_m`, `stages`, `block_m`, `block_n`, `block_k`, `warps` (4: one warpgroup, at most 64 x 256 or
+    128 x 128 of accumulator), `programs`, more than the multiprocessors where two programs fit on one)."""
     return _launch(dy, w, True, EPILOGUE_NONE if post is None else EPILOGUE_RELU2_GRAD, post=post, **tiles)
 
 
