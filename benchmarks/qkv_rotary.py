@@ -73,6 +73,14 @@ def main() -> int:
                           f"step {post_step}{' (model.qk_kernel=gluon)' if chosen else ''}",
                           lambda t=tiling: tuple(qkv_hopper.qkv_norm_rotary(
                               x, w, rot.cos, rot.sin, H, T, 1e-6, **t)[0].view(3, B, T, H, hd)), want))
+        # the epilogue's other forms, the default tiling: tiles of v stored as the product made them; the same with
+        # the rotary tables read before the tile's products
+        for epilogue, label in ((qkv_hopper.EPILOGUE_V_AS_IS, "tiles of v stored as the product made them"),
+                                (qkv_hopper.EPILOGUE_TABLES_EARLY, "tiles of v as made, rotary tables read before "
+                                                                   "the tile's products")):
+            paths.append((f"Gluon product + QK-norm epilogue, default tiling: {label}",
+                          lambda e=epilogue: tuple(qkv_hopper.qkv_norm_rotary(
+                              x, w, rot.cos, rot.sin, H, T, 1e-6, epilogue=e)[0].view(3, B, T, H, hd)), want))
         # one warpgroup a program, two programs a multiprocessor (as benchmarks/relu2_hopper.py's)
         two = 2 * multiprocessors(x.device.index or 0)
         for bm, heads, stages in ((64, 2, 2), (128, 1, 2)):
@@ -103,7 +111,11 @@ def main() -> int:
     want_scales = reference_forward(qkv64.view(B, T, 3 * d), rot64.cos, rot64.sin, H)[3].view(M, 2, H)
     kernels = [("Triton", lambda: qkv_rotary.qkv_norm_rotary(x, w, rot.cos, rot.sin, H, T, 1e-6)[1])]
     if qkv_hopper.supported(x, w, H):
-        kernels.append(("Gluon", lambda: qkv_hopper.qkv_norm_rotary(x, w, rot.cos, rot.sin, H, T, 1e-6)[1]))
+        for epilogue, label in ((qkv_hopper.EPILOGUE_BRANCH_FREE, "branch-free epilogue"),
+                                (qkv_hopper.EPILOGUE_V_AS_IS, "tiles of v as made"),
+                                (qkv_hopper.EPILOGUE_TABLES_EARLY, "tables read early")):
+            kernels.append((f"Gluon ({label})", lambda e=epilogue: qkv_hopper.qkv_norm_rotary(
+                x, w, rot.cos, rot.sin, H, T, 1e-6, epilogue=e)[1]))
     result["scales_errors"] = {}
     lines += ["", "Row scales (1 / rms of each head of q and k, float32), largest entry's difference from float64 "
               "over the float64 result's largest entry:", ""]

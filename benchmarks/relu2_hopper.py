@@ -57,6 +57,13 @@ def main() -> int:
                                 lambda s=post_step, g=group: hopper.relu2_dgrad(dy, w_proj, post, post_step=s,
                                                                                 group_m=g), want_dgrad))
     groups["dgrad"].append(("Gluon, no epilogue", lambda: hopper.relu2_dgrad(dy, w_proj, None), want_plain))
+    # The post tile in a buffer of its own, requested at the tile's first K step without waiting for the previous
+    # result's store (64 KB more shared memory: 2 stages of 64-wide K steps, or 4 of 32-wide ones)
+    for bk, stages in ((64, 2), (32, 4)):
+        tiling = dict(block_k=bk, stages=stages, post_step=0, separate_post=True)
+        groups["dgrad"].append((f"Gluon + derivative epilogue: post tile in its own buffer, requested at K step 0, "
+                                f"128 x 256 x {bk}, {stages} stages",
+                                lambda t=tiling: hopper.relu2_dgrad(dy, w_proj, post, **t), want_dgrad))
     # One warpgroup a program and two programs a multiprocessor, so that one program's epilogue can run beside
     # the other's products (the accumulator at most 64 x 256 or 128 x 128 at 255 registers a thread; two
     # programs' operand stages and tile buffers within the multiprocessor's shared memory).

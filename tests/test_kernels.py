@@ -332,29 +332,32 @@ def _compile_gluon(kernel, signature: dict, constants: dict, warps: int):
         raise
 
 
-def _compile_gluon_mlp(stages: int, expand: bool = False):
+def _compile_gluon_mlp(stages: int, expand: bool = False, separate_post: bool = False, bk: int | None = None):
     """One of the fused MLP's Gluon kernels (the derivative product, or with `expand` the expansion) at the seed
-    shape's constants (131,072 tokens, 512 -> 2,048)."""
+    shape's constants (131,072 tokens, 512 -> 2,048); `separate_post`: the post tile in a buffer of its own."""
     from creditlab.kernels import relu2_hopper as hopper
 
-    bm, bn, bk = hopper.BLOCK_M, hopper.BLOCK_N, hopper.BLOCK_K
+    bm, bn, bk = hopper.BLOCK_M, hopper.BLOCK_N, bk or hopper.BLOCK_K
     constants = {"K_STEPS": 512 // bk, "B_IS_KN": not expand,
-                 "EPILOGUE": hopper.EPILOGUE_RELU2 if expand else hopper.EPILOGUE_RELU2_GRAD, "POST_STEP": 3,
-                 "STAGES": stages, "GROUP": hopper.GROUP_M, "num_warps": hopper.WARPS}
+                 "EPILOGUE": hopper.EPILOGUE_RELU2 if expand else hopper.EPILOGUE_RELU2_GRAD,
+                 "POST_STEP": 0 if separate_post else 3, "STAGES": stages, "GROUP": hopper.GROUP_M,
+                 "SEPARATE_POST": separate_post, "num_warps": hopper.WARPS}
     signature = {"a_desc": _gluon_descriptor([bm, bk]), "b_desc": _gluon_descriptor([bn, bk] if expand else [bk, bn]),
                  "post_desc": _gluon_descriptor([bm, bn]), "c_desc": _gluon_descriptor([bm, bn]), "M": "i32",
                  "N": "i32"}
     return _compile_gluon(hopper._mlp_kernel, signature, constants, hopper.WARPS)
 
 
-def _compile_gluon_qkv(stages: int, heads_per_tile: int = 2):
+def _compile_gluon_qkv(stages: int, heads_per_tile: int = 2, epilogue: int | None = None):
     """The Gluon Q/K/V product with QK-norm and rotary in its epilogue (kernels/qkv_hopper.py) at the seed shape's
-    constants (512 -> 3 x 512, 4 heads of 128), tiles one or two heads wide."""
+    constants (512 -> 3 x 512, 4 heads of 128), tiles one or two heads wide, the epilogue in the form named (by
+    default the kernel's)."""
     from creditlab.kernels import qkv_hopper
 
     bm, bk, bn = qkv_hopper.BLOCK_M, qkv_hopper.BLOCK_K, 128 * heads_per_tile
     constants = {"WIDTH": 512, "HD": 128, "K_STEPS": 512 // bk, "STAGES": stages, "GROUP": qkv_hopper.GROUP_M,
-                 "POST_STEP": qkv_hopper.POST_STEP, "num_warps": qkv_hopper.WARPS}
+                 "POST_STEP": qkv_hopper.POST_STEP,
+                 "EPILOGUE": qkv_hopper.EPILOGUE if epilogue is None else epilogue, "num_warps": qkv_hopper.WARPS}
     signature = {"a_desc": _gluon_descriptor([bm, bk]), "b_desc": _gluon_descriptor([bn, bk]),
                  "out_desc": _gluon_descriptor([bm, bn]), "scales": "*fp32", "cos": "*fp32", "sin": "*fp32",
                  "M": "i32", "T": "i32", "eps": "fp32"}
@@ -391,6 +394,17 @@ def test_the_gluon_mlp_kernels_compile_for_hopper_within_their_shared_memory(exp
 
 
 @pytest.mark.slow
+def test_the_derivative_kernel_with_its_post_tile_apart_fits_two_stages_and_not_three():
+    # the post tile's own buffer (64 KB) fits beside 2 stages of 64-wide K steps or 4 of 32-wide ones, and (the
+    # check can fail) not beside the default 3 stages
+    for stages, bk in ((2, 64), (4, 32)):
+        compiled = _compile_gluon_mlp(stages, separate_post=True, bk=bk)
+        assert _issues_warpgroup_products_and_tma(compiled)
+        assert compiled.metadata.shared <= SHARED_MEMORY, (stages, bk, compiled.metadata.shared)
+    assert _compile_gluon_mlp(3, separate_post=True).metadata.shared > SHARED_MEMORY
+
+
+@pytest.mark.slow
 def test_the_gluon_qkv_kernel_compiles_for_hopper_within_its_shared_memory():
     # as the MLP kernels'; q, k, v and the row scales are checked against float64 on the GPU by
     # benchmarks/qkv_rotary.py before it times the kernel
@@ -401,6 +415,12 @@ def test_the_gluon_qkv_kernel_compiles_for_hopper_within_its_shared_memory():
     one_head = _compile_gluon_qkv(stages=4, heads_per_tile=1)
     assert _issues_warpgroup_products_and_tma(one_head)
     assert one_head.metadata.shared <= SHARED_MEMORY, one_head.metadata.shared
+    # the epilogue's other forms, which the benchmark times beside it
+    from creditlab.kernels import qkv_hopper
+
+    for epilogue in (qkv_hopper.EPILOGUE_V_AS_IS, qkv_hopper.EPILOGUE_TABLES_EARLY):
+        form = _compile_gluon_qkv(stages=3, epilogue=epilogue)
+        assert _issues_warpgroup_products_and_tma(form) and form.metadata.shared == compiled.metadata.shared
 
 
 def test_model_qk_kernel_gluon_reaches_the_gluon_kernel_where_it_takes_the_operands(monkeypatch):

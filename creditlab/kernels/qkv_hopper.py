@@ -7,8 +7,8 @@ behind cuBLAS on the MLP's shapes where this loop's ran within 2% (benchmarks/re
 
 The epilogue: the tile (one or two whole heads of q, k or v) goes to shared memory in the output dtype, as the
 step's `model.qk=fused` path rounds the product before its norm; each head's two halves come back in a plain
-row layout, are normalized and rotated in float32 (q and k; v takes scale 1 and no rotation, branch-free) and go
-back in place, and the whole tile leaves by one TMA store. q, k and v are the slabs of one (3, tokens, width)
+row layout, are normalized and rotated in float32 and go back in place, and the whole tile leaves by one TMA
+store; a tile of v leaves as the product made it (`EPILOGUE`). q, k and v are the slabs of one (3, tokens, width)
 tensor, addressed as (3 tokens, width) rows, so the tokens must be a whole number of tiles (`supported`).
 """
 
@@ -21,23 +21,58 @@ from creditlab.kernels._triton import multiprocessors, triton
 from creditlab.kernels.relu2_hopper import gluon
 
 BLOCK_M, BLOCK_K, STAGES, WARPS, GROUP_M, POST_STEP, HEADS_PER_TILE = 128, 64, 3, 8, 16, 3, 2
+# The epilogue's forms, one result: every tile through the same arithmetic (v at scale 1, no rotation); tiles of v
+# stored as the product made them (the default: a third of the tiles skip the epilogue, benchmarks/qk_norm.md);
+# the same with q's and k's rotary tables read before the tile's products.
+EPILOGUE_BRANCH_FREE, EPILOGUE_V_AS_IS, EPILOGUE_TABLES_EARLY = 0, 1, 2
+EPILOGUE = EPILOGUE_V_AS_IS
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-    from creditlab.kernels.relu2_hopper import _start_loads, _tile_products, _tma_store
+    from creditlab.kernels.relu2_hopper import _barrier, _start_loads, _tile_offsets, _tile_products, _tma_store
 
-    _barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # Triton 3.9 renamed it
+    @gluon.jit
+    def _tables(cos, sin, off_m, M, T, part, BM: gl.constexpr, HALF: gl.constexpr, rows_layout: gl.constexpr):
+        """A tile's rows (their indices, whether each is a row of q or k) and their rotary tables (c, s); in a tile
+        of v or past the matrix, c 1 and s 0, read from nowhere."""
+        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, rows_layout))
+        rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, rows_layout))
+        normed_rows = rows < gl.where(part < 2, M, 0)
+        at = gl.expand_dims(rows % T, 1) * HALF + gl.expand_dims(cols, 0)
+        c = gl.load(cos + at, mask=gl.expand_dims(normed_rows, 1), other=1.0)
+        s = gl.load(sin + at, mask=gl.expand_dims(normed_rows, 1), other=0.0)
+        return rows, normed_rows, c, s
+
+    @gluon.jit
+    def _norm_rotate(tile_buf, scales, rows, normed_rows, c, s, off_n, part, eps, WIDTH: gl.constexpr,
+                     HD: gl.constexpr, rows_layout: gl.constexpr):
+        """Each head of the tile in shared memory normalized and rotated in place (in float32; a tile of v at
+        scale 1 with c 1 and s 0), the row scales of q and k stored."""
+        HALF: gl.constexpr = HD // 2
+        H: gl.constexpr = WIDTH // HD
+        for h in gl.static_range(tile_buf.shape[1] // HD):
+            lo = tile_buf.slice(h * HD, HALF, dim=1)
+            hi = tile_buf.slice(h * HD + HALF, HALF, dim=1)
+            first_half = lo.load(rows_layout).to(gl.float32)
+            second_half = hi.load(rows_layout).to(gl.float32)
+            squares = gl.sum(first_half * first_half, axis=1) + gl.sum(second_half * second_half, axis=1)
+            rms_scale = 1.0 / gl.sqrt(squares / HD + eps)
+            head = (off_n % WIDTH) // HD + h
+            gl.store(scales + rows * (2 * H) + part * H + head, rms_scale, mask=normed_rows)
+            scale = gl.expand_dims(gl.where(part < 2, rms_scale, 1.0), 1)
+            n1, n2 = first_half * scale, second_half * scale
+            lo.store((n1 * c + n2 * s).to(tile_buf.dtype))
+            hi.store((n2 * c - n1 * s).to(tile_buf.dtype))
 
     @gluon.jit
     def _qkv_kernel(a_desc, b_desc, out_desc, scales, cos, sin, M, T, eps, WIDTH: gl.constexpr, HD: gl.constexpr,
                     K_STEPS: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, POST_STEP: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    EPILOGUE: gl.constexpr, num_warps: gl.constexpr):
         BM: gl.constexpr = out_desc.block_type.shape[0]
         BN: gl.constexpr = out_desc.block_type.shape[1]
         HALF: gl.constexpr = HD // 2
-        H: gl.constexpr = WIDTH // HD
         dtype: gl.constexpr = a_desc.dtype
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                              instr_shape=[16, BN, 16])
@@ -46,35 +81,28 @@ if gluon is not None:
         tile_buf = gl.allocate_shared_memory(dtype, [BM, BN], out_desc.layout)
         a_bufs, b_bufs, ready, first, programs, tiles_m, tiles_n, my_tiles, total, p_m, p_n = _start_loads(
             a_desc, b_desc, tile_buf, M, 3 * WIDTH, K_STEPS, False, STAGES, GROUP)
-        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, rows_layout))
         for tile in range(my_tiles):
+            if EPILOGUE == 2:  # EPILOGUE_TABLES_EARLY: the tables' loads in flight during the tile's products
+                early_m, early_n = _tile_offsets(tile * K_STEPS, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS,
+                                                 GROUP)
+                rows, normed_rows, c, s = _tables(cos, sin, early_m, M, T, early_n // WIDTH, BM, HALF, rows_layout)
             # no post tile to load (the descriptor and barrier passed for it go unused)
             acc, off_m, off_n, p_m, p_n = _tile_products(
                 tile, first, programs, tiles_m, tiles_n, total, p_m, p_n, a_desc, b_desc, a_bufs, b_bufs, ready,
-                out_desc, ready, tile_buf, acc_layout, K_STEPS, False, False, POST_STEP, STAGES, GROUP)
+                out_desc, ready, tile_buf, acc_layout, K_STEPS, False, False, POST_STEP, STAGES, GROUP, False)
             # the previous tile's store has drained (waited for at K step POST_STEP)
             tile_buf.store(acc.to(dtype))
             _barrier()
             part = off_n // WIDTH
-            normed = part < 2
-            rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, rows_layout))
-            normed_rows = rows < gl.where(normed, M, 0)  # rows of the matrix, in a tile of q or k
-            at = gl.expand_dims(rows % T, 1) * HALF + gl.expand_dims(cols, 0)
-            c = gl.load(cos + at, mask=gl.expand_dims(normed_rows, 1), other=1.0)
-            s = gl.load(sin + at, mask=gl.expand_dims(normed_rows, 1), other=0.0)
-            for h in gl.static_range(BN // HD):
-                lo = tile_buf.slice(h * HD, HALF, dim=1)
-                hi = tile_buf.slice(h * HD + HALF, HALF, dim=1)
-                first_half = lo.load(rows_layout).to(gl.float32)
-                second_half = hi.load(rows_layout).to(gl.float32)
-                squares = gl.sum(first_half * first_half, axis=1) + gl.sum(second_half * second_half, axis=1)
-                rms_scale = 1.0 / gl.sqrt(squares / HD + eps)
-                head = (off_n % WIDTH) // HD + h
-                gl.store(scales + rows * (2 * H) + part * H + head, rms_scale, mask=normed_rows)
-                scale = gl.expand_dims(gl.where(normed, rms_scale, 1.0), 1)
-                n1, n2 = first_half * scale, second_half * scale
-                lo.store((n1 * c + n2 * s).to(dtype))
-                hi.store((n2 * c - n1 * s).to(dtype))
+            # a tile of v leaves as the product made it, except in the branch-free form, where it takes the
+            # arithmetic of q and k at scale 1 and no rotation (the same values)
+            if EPILOGUE == 0:  # EPILOGUE_BRANCH_FREE
+                rows, normed_rows, c, s = _tables(cos, sin, off_m, M, T, part, BM, HALF, rows_layout)
+                _norm_rotate(tile_buf, scales, rows, normed_rows, c, s, off_n, part, eps, WIDTH, HD, rows_layout)
+            elif part < 2:
+                if EPILOGUE == 1:  # EPILOGUE_V_AS_IS
+                    rows, normed_rows, c, s = _tables(cos, sin, off_m, M, T, part, BM, HALF, rows_layout)
+                _norm_rotate(tile_buf, scales, rows, normed_rows, c, s, off_n, part, eps, WIDTH, HD, rows_layout)
             # every thread's writes made visible to the TMA engine, then all of them done before one thread
             # issues the store (a barrier before the fence would let the store overtake a late fence)
             fence_async_shared()
@@ -100,12 +128,16 @@ def supported(x: torch.Tensor, w: torch.Tensor, heads: int) -> bool:
 def qkv_norm_rotary(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, T: int,
                     eps: float, heads_per_tile: int = HEADS_PER_TILE, group_m: int = GROUP_M, stages: int = STAGES,
                     post_step: int = POST_STEP, block_m: int = BLOCK_M, warps: int = WARPS,
-                    programs: int | None = None):
+                    programs: int | None = None, epilogue: int | None = None):
     """qkv_rotary.qkv_norm_rotary's (qkv (3, tokens, width), scales (tokens, 2, heads)) through the Gluon kernel;
     operands as `supported` takes them. Keywords: the tiling (a tile one or two heads wide, `block_m` rows of
-    which the tokens are a whole number; the rest as relu2_hopper's)."""
+    which the tokens are a whole number; the rest as relu2_hopper's) and the epilogue's form (EPILOGUE_*, by default
+    EPILOGUE)."""
     x, w, M, K, width, hd = qkv_rotary.checked_operands(x, w, heads, supported(x, w, heads), "Gluon kernel")
     qkv, scales = qkv_rotary.empty_outputs(x, width, heads)
+    epilogue = EPILOGUE if epilogue is None else epilogue
+    if epilogue not in (EPILOGUE_BRANCH_FREE, EPILOGUE_V_AS_IS, EPILOGUE_TABLES_EARLY):
+        raise ValueError(f"no epilogue form {epilogue}")
     if M % block_m:
         raise ValueError(f"the tokens ({M}) must be a whole number of {block_m}-row tiles")
     block_n = heads_per_tile * hd
@@ -115,5 +147,5 @@ def qkv_norm_rotary(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: to
     _qkv_kernel[grid](relu2_hopper._descriptor(x, [block_m, BLOCK_K]), relu2_hopper._descriptor(w, [block_n, BLOCK_K]),
                       out_desc, scales, cos.contiguous(), sin.contiguous(), M, T, eps, WIDTH=width, HD=hd,
                       K_STEPS=K // BLOCK_K, STAGES=stages, GROUP=group_m, POST_STEP=min(post_step, K // BLOCK_K - 1),
-                      num_warps=warps)
+                      EPILOGUE=epilogue, num_warps=warps)
     return qkv, scales
