@@ -358,6 +358,8 @@ ARMS_FIGURES = [
      "credit arms settled, the same machine, after the overlapped process"),
     ("arms_overlapped_final_seed.json", "arms_overlapped_final_seed.png",
      "credit arms overlapped (the corrected loop), the final tree"),
+    ("arms_final_h100_seed.json", "arms_final_h100_seed.png",
+     "credit arms on the final tree (tiles of v as the product made them), one H100"),
     ("arms_autotune_gemm_h100_seed.json", "arms_autotune_gemm_h100_seed.png",
      "native with the compiler's products autotuned (train.compile_mode=autotune-gemm), one H100"),
 ]
@@ -468,6 +470,11 @@ TWO_PROGRAMS_PATHS = ("time over the first path of the same product, per round (
                       "multiprocessor,\nagainst the default tiling; 131,072 x 512 -> 2,048, bf16, one H100")
 QKV_TWO_PROGRAMS_PATHS = (QKV_PATHS[0], "the Q/K/V product with QK-norm and rotary, with one warpgroup a program, two "
                           "programs a multiprocessor\n131,072 x 512 -> 3 x 512, 4 heads of 128, bf16, one H100")
+QKV_EPILOGUE_PATHS = (QKV_PATHS[0], "the Q/K/V product with QK-norm and rotary: the epilogue's forms (tiles of v as "
+                      "made, the rotary tables early)\nbeside every tiling; 131,072 x 512 -> 3 x 512, 4 heads of "
+                      "128, bf16, one H100")
+POST_APART_PATHS = (TWO_PROGRAMS_PATHS[0], "the fused MLP's products: the derivative product's post tile in a buffer "
+                    "of its own, beside every tiling\n131,072 x 512 -> 2,048, bf16, one H100")
 ATTENTION_PATHS = ("time over cuDNN's same pass, per round (median, range of 10 alternated rounds)",
                    "causal attention in each kernel PyTorch offers, forward and forward + backward\n"
                    "64 x 2,048 tokens, 4 heads of 128, bf16, one H100")
@@ -657,6 +664,10 @@ def main() -> None:
     print(plot_path_ratios([results / "qkv_rotary_two_programs_h100_seed.json"], out,
                            "qkv_rotary_two_programs_h100_seed.png", QKV_TWO_PROGRAMS_PATHS))
     print(plot_path_ratios([results / "attention_h100_seed.json"], out, "attention_h100_seed.png", ATTENTION_PATHS))
+    print(plot_path_ratios([results / "qkv_rotary_epilogue_h100_seed.json"], out, "qkv_rotary_epilogue_h100_seed.png",
+                           QKV_EPILOGUE_PATHS))
+    print(plot_path_ratios([results / "relu2_hopper_post_apart_h100_seed.json"], out,
+                           "relu2_hopper_post_apart_h100_seed.png", POST_APART_PATHS))
     print(plot_gate_decode(results / "gate_decode_first_seed.json", out, "gate_decode_first_seed.png"))
     print(plot_gate_decode(results / "gate_decode_seed.json", out, "gate_decode_seed.png"))
     print(plot_kernel_bandwidth(results / "kernel_bandwidth_seed.json", out, "kernel_bandwidth_seed.png"))
