@@ -394,7 +394,7 @@ def test_the_gluon_mlp_kernels_compile_for_hopper_within_their_shared_memory(exp
 
 
 @pytest.mark.slow
-def test_the_derivative_kernel_with_its_post_tile_apart_fits_two_stages_and_not_three():
+def test_the_derivative_kernel_with_its_post_tile_apart_fits_hopper_at_two_stages_not_three():
     # the post tile's own buffer (64 KB) fits beside 2 stages of 64-wide K steps or 4 of 32-wide ones, and (the
     # check can fail) not beside the default 3 stages
     for stages, bk in ((2, 64), (4, 32)):
