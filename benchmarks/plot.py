@@ -207,8 +207,11 @@ def plot_screens(records: Path, out: Path) -> Path:
                         color=color, label=f"{arm} (peak {max(r['peak_allocated_mib'] for r in arm_rows):,.0f} MiB)")
         cap = config["screen"]["memory_cap_mib"]
         kind = "materialized" if config["credit"]["materialized"] else "streaming"
-        ax.set_title(f"{folder.name[:15]}: {'cap ' + format(cap, ',.0f') + ' MiB' if cap else 'no cap'}, {kind}\n"
-                     f"verdict: {result['verdict']}", fontsize=9)
+        env = folder / "env.json"
+        gpu = json.loads(env.read_text()).get("gpu", "") if env.exists() else ""
+        card = next((name for name in ("H200", "H100") if name in gpu), gpu or "card not recorded")
+        ax.set_title(f"{folder.name[:15]}: {'cap ' + format(cap, ',.0f') + ' MiB' if cap else 'no cap'}, {kind}, "
+                     f"{card}\nverdict: {result['verdict']}", fontsize=9)
         ax.set_xlabel("update")
         ax.set_ylim(0.27, 0.4)
         ax.legend(fontsize=7, loc="upper right")
