@@ -75,9 +75,12 @@ def main() -> int:
                               x, w, rot.cos, rot.sin, H, T, 1e-6, **t)[0].view(3, B, T, H, hd)), want))
         # the epilogue's other forms, the default tiling: tiles of v stored as the product made them; the same with
         # the rotary tables read before the tile's products
-        for epilogue, label in ((qkv_hopper.EPILOGUE_V_AS_IS, "tiles of v stored as the product made them"),
+        for epilogue, label in ((qkv_hopper.EPILOGUE_BRANCH_FREE, "every tile through the same arithmetic"),
+                                (qkv_hopper.EPILOGUE_V_AS_IS, "tiles of v stored as the product made them"),
                                 (qkv_hopper.EPILOGUE_TABLES_EARLY, "tiles of v as made, rotary tables read before "
-                                                                   "the tile's products")):
+                                                                   "the tile's products"),
+                                (qkv_hopper.EPILOGUE_OVERLAPPED, "each tile's epilogue in 32-row pieces during the "
+                                                                 "next tile's products")):
             paths.append((f"Gluon product + QK-norm epilogue, default tiling: {label}",
                           lambda e=epilogue: tuple(qkv_hopper.qkv_norm_rotary(
                               x, w, rot.cos, rot.sin, H, T, 1e-6, epilogue=e)[0].view(3, B, T, H, hd)), want))
@@ -113,7 +116,8 @@ def main() -> int:
     if qkv_hopper.supported(x, w, H):
         for epilogue, label in ((qkv_hopper.EPILOGUE_BRANCH_FREE, "branch-free epilogue"),
                                 (qkv_hopper.EPILOGUE_V_AS_IS, "tiles of v as made"),
-                                (qkv_hopper.EPILOGUE_TABLES_EARLY, "tables read early")):
+                                (qkv_hopper.EPILOGUE_TABLES_EARLY, "tables read early"),
+                                (qkv_hopper.EPILOGUE_OVERLAPPED, "epilogue beside the next products")):
             kernels.append((f"Gluon ({label})", lambda e=epilogue: qkv_hopper.qkv_norm_rotary(
                 x, w, rot.cos, rot.sin, H, T, 1e-6, epilogue=e)[1]))
     result["scales_errors"] = {}

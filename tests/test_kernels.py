@@ -421,6 +421,18 @@ def test_the_gluon_qkv_kernel_compiles_for_hopper_within_its_shared_memory():
     for epilogue in (qkv_hopper.EPILOGUE_V_AS_IS, qkv_hopper.EPILOGUE_TABLES_EARLY):
         form = _compile_gluon_qkv(stages=3, epilogue=epilogue)
         assert _issues_warpgroup_products_and_tma(form) and form.metadata.shared == compiled.metadata.shared
+    # the epilogue in pieces beside the next tile's products: its own kernel, in the same shared memory, each
+    # 32-row block of a tile leaving by its own store
+    bm, bk, bn = qkv_hopper.BLOCK_M, qkv_hopper.BLOCK_K, 256
+    overlapped = _compile_gluon(
+        qkv_hopper._qkv_kernel_overlapped,
+        {"a_desc": _gluon_descriptor([bm, bk]), "b_desc": _gluon_descriptor([bn, bk]),
+         "out_desc": _gluon_descriptor([bm, bn]), "rows_desc": _gluon_descriptor([32, bn]), "scales": "*fp32",
+         "cos": "*fp32", "sin": "*fp32", "M": "i32", "T": "i32", "eps": "fp32"},
+        {"WIDTH": 512, "HD": 128, "K_STEPS": 512 // bk, "STAGES": 3, "GROUP": qkv_hopper.GROUP_M,
+         "num_warps": qkv_hopper.WARPS}, qkv_hopper.WARPS)
+    assert _issues_warpgroup_products_and_tma(overlapped)
+    assert overlapped.metadata.shared == compiled.metadata.shared, overlapped.metadata.shared
 
 
 def test_model_qk_kernel_gluon_reaches_the_gluon_kernel_where_it_takes_the_operands(monkeypatch):

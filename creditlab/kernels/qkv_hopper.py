@@ -23,15 +23,18 @@ from creditlab.kernels.relu2_hopper import gluon
 BLOCK_M, BLOCK_K, STAGES, WARPS, GROUP_M, POST_STEP, HEADS_PER_TILE = 128, 64, 3, 8, 16, 3, 2
 # The epilogue's forms, one result: every tile through the same arithmetic (v at scale 1, no rotation); tiles of v
 # stored as the product made them (the default: a third of the tiles skip the epilogue, benchmarks/qk_norm.md);
-# the same with q's and k's rotary tables read before the tile's products.
-EPILOGUE_BRANCH_FREE, EPILOGUE_V_AS_IS, EPILOGUE_TABLES_EARLY = 0, 1, 2
+# the same with q's and k's rotary tables read before the tile's products; each tile's epilogue in pieces during
+# the next tile's products (`_qkv_kernel_overlapped`, every tile branch-free).
+EPILOGUE_BRANCH_FREE, EPILOGUE_V_AS_IS, EPILOGUE_TABLES_EARLY, EPILOGUE_OVERLAPPED = 0, 1, 2, 3
 EPILOGUE = EPILOGUE_V_AS_IS
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
 
-    from creditlab.kernels.relu2_hopper import _barrier, _start_loads, _tile_offsets, _tile_products, _tma_store
+    from creditlab.kernels.relu2_hopper import (_barrier, _issue_operands, _start_loads, _tile_offsets, _tile_products,
+                                                _tma_store)
 
     @gluon.jit
     def _tables(cos, sin, off_m, M, T, part, BM: gl.constexpr, HALF: gl.constexpr, rows_layout: gl.constexpr):
@@ -113,6 +116,132 @@ if gluon is not None:
             mbarrier.invalidate(ready.index(i))
 
 
+    PIECE_ROWS = gl.constexpr(32)  # a piece of the overlapped epilogue: 32 rows of one head
+
+    @gluon.jit
+    def _epilogue_piece(piece: gl.constexpr, tile_buf, rows_desc, scales, cos, sin, off_m, off_n, M, T, eps, c, s,
+                        WIDTH: gl.constexpr, HD: gl.constexpr, rows_layout: gl.constexpr):
+        """Piece `piece` of a tile's epilogue in shared memory: rows (piece // heads) * 32 .. + 32 of head
+        piece % heads, normalized and rotated in place (a tile of v branch-free, at scale 1 with c 1 and s 0). A
+        row block's tables are read at its first head and handed on (returned: (c, s)); at its last head the
+        block leaves by its own TMA store."""
+        BN: gl.constexpr = tile_buf.shape[1]
+        HALF: gl.constexpr = HD // 2
+        H: gl.constexpr = WIDTH // HD
+        HEADS: gl.constexpr = BN // HD
+        R0: gl.constexpr = (piece // HEADS) * PIECE_ROWS
+        h: gl.constexpr = piece % HEADS
+        part = off_n // WIDTH
+        block = tile_buf.slice(R0, PIECE_ROWS, dim=0)
+        rows = off_m + R0 + gl.arange(0, PIECE_ROWS, layout=gl.SliceLayout(1, rows_layout))
+        normed_rows = rows < gl.where(part < 2, M, 0)
+        if h == 0:
+            cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, rows_layout))
+            at = gl.expand_dims(rows % T, 1) * HALF + gl.expand_dims(cols, 0)
+            c = gl.load(cos + at, mask=gl.expand_dims(normed_rows, 1), other=1.0)
+            s = gl.load(sin + at, mask=gl.expand_dims(normed_rows, 1), other=0.0)
+        lo = block.slice(h * HD, HALF, dim=1)
+        hi = block.slice(h * HD + HALF, HALF, dim=1)
+        first_half = lo.load(rows_layout).to(gl.float32)
+        second_half = hi.load(rows_layout).to(gl.float32)
+        squares = gl.sum(first_half * first_half, axis=1) + gl.sum(second_half * second_half, axis=1)
+        rms_scale = 1.0 / gl.sqrt(squares / HD + eps)
+        head = (off_n % WIDTH) // HD + h
+        gl.store(scales + rows * (2 * H) + part * H + head, rms_scale, mask=normed_rows)
+        scale = gl.expand_dims(gl.where(part < 2, rms_scale, 1.0), 1)
+        n1, n2 = first_half * scale, second_half * scale
+        lo.store((n1 * c + n2 * s).to(tile_buf.dtype))
+        hi.store((n2 * c - n1 * s).to(tile_buf.dtype))
+        if h == HEADS - 1:
+            fence_async_shared()
+            _barrier()
+            _tma_store(rows_desc, [part * M + off_m + R0, off_n % WIDTH], block)
+        return c, s
+
+    @gluon.jit
+    def _products_beside_epilogue(tile, first, programs, tiles_m, tiles_n, total, p_m, p_n, a_desc, b_desc, a_bufs,
+                                  b_bufs, ready, tile_buf, rows_desc, scales, cos, sin, prev_m, prev_n, M, T, eps,
+                                  acc_layout: gl.constexpr, rows_layout: gl.constexpr, WIDTH: gl.constexpr,
+                                  HD: gl.constexpr, K_STEPS: gl.constexpr, STAGES: gl.constexpr,
+                                  GROUP: gl.constexpr):
+        """relu2_hopper._tile_products' K loop for tile `tile`, with a piece of the previous tile's epilogue (its
+        raw product in `tile_buf`, at (prev_m, prev_n)) run after each K step's product is issued, so that the
+        pieces run while the tensor cores work; the pieces left when the steps run out follow the loop. Returns
+        (acc, off_m, off_n, p_m, p_n) with every piece's store issued."""
+        BM: gl.constexpr = tile_buf.shape[0]
+        BN: gl.constexpr = tile_buf.shape[1]
+        HALF: gl.constexpr = HD // 2
+        PIECES: gl.constexpr = (BM // PIECE_ROWS) * (BN // HD)
+        off_m, off_n = _tile_offsets(tile * K_STEPS, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS, GROUP)
+        c = gl.full((PIECE_ROWS, HALF), 1.0, gl.float32, layout=rows_layout)
+        s = gl.full((PIECE_ROWS, HALF), 0.0, gl.float32, layout=rows_layout)
+        acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
+        for k in gl.static_range(K_STEPS):
+            step = tile * K_STEPS + k
+            stage = step % STAGES
+            mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+            acc = warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage).permute((1, 0)), acc, use_acc=k > 0,
+                                is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            if (k + STAGES - 1) % K_STEPS == 0:
+                p_m, p_n = _tile_offsets(step + STAGES - 1, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS,
+                                         GROUP)
+            _issue_operands(step + STAGES - 1, total, p_m, p_n, a_desc, b_desc, a_bufs, b_bufs, ready, K_STEPS,
+                            STAGES, False)
+            if k < PIECES:
+                c, s = _epilogue_piece(k, tile_buf, rows_desc, scales, cos, sin, prev_m, prev_n, M, T, eps, c, s,
+                                       WIDTH, HD, rows_layout)
+        for piece in gl.static_range(K_STEPS, PIECES):
+            c, s = _epilogue_piece(piece, tile_buf, rows_desc, scales, cos, sin, prev_m, prev_n, M, T, eps, c, s,
+                                   WIDTH, HD, rows_layout)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        return acc, off_m, off_n, p_m, p_n
+
+    @gluon.jit
+    def _qkv_kernel_overlapped(a_desc, b_desc, out_desc, rows_desc, scales, cos, sin, M, T, eps,
+                               WIDTH: gl.constexpr, HD: gl.constexpr, K_STEPS: gl.constexpr, STAGES: gl.constexpr,
+                               GROUP: gl.constexpr, num_warps: gl.constexpr):
+        """_qkv_kernel with each tile's epilogue run in pieces during the next tile's products (the last tile's
+        after them): the tile's raw product waits in shared memory, each 32-row block leaves by its own store
+        once both its heads are done, and the next product enters the buffer when those stores have drained."""
+        BM: gl.constexpr = out_desc.block_type.shape[0]
+        BN: gl.constexpr = out_desc.block_type.shape[1]
+        HALF: gl.constexpr = HD // 2
+        PIECES: gl.constexpr = (BM // PIECE_ROWS) * (BN // HD)
+        dtype: gl.constexpr = a_desc.dtype
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                             instr_shape=[16, BN, 16])
+        rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HALF, HALF // 8], [num_warps, 1], [1, 0])
+        tile_buf = gl.allocate_shared_memory(dtype, [BM, BN], out_desc.layout)
+        a_bufs, b_bufs, ready, first, programs, tiles_m, tiles_n, my_tiles, total, p_m, p_n = _start_loads(
+            a_desc, b_desc, tile_buf, M, 3 * WIDTH, K_STEPS, False, STAGES, GROUP)
+        # the first tile's products alone (no store is pending: the store wait at K step 0 returns at once)
+        acc, prev_m, prev_n, p_m, p_n = _tile_products(
+            0, first, programs, tiles_m, tiles_n, total, p_m, p_n, a_desc, b_desc, a_bufs, b_bufs, ready,
+            out_desc, ready, tile_buf, acc_layout, K_STEPS, False, False, 0, STAGES, GROUP, False)
+        tile_buf.store(acc.to(dtype))
+        _barrier()
+        for tile in range(1, my_tiles):
+            acc, off_m, off_n, p_m, p_n = _products_beside_epilogue(
+                tile, first, programs, tiles_m, tiles_n, total, p_m, p_n, a_desc, b_desc, a_bufs, b_bufs, ready,
+                tile_buf, rows_desc, scales, cos, sin, prev_m, prev_n, M, T, eps, acc_layout, rows_layout, WIDTH,
+                HD, K_STEPS, STAGES, GROUP)
+            # the previous tile's blocks have left the buffer (the issuing thread waits, the rest wait for it)
+            tma.store_wait(pendings=0)
+            _barrier()
+            tile_buf.store(acc.to(dtype))
+            _barrier()
+            prev_m, prev_n = off_m, off_n
+        c = gl.full((PIECE_ROWS, HALF), 1.0, gl.float32, layout=rows_layout)
+        s = gl.full((PIECE_ROWS, HALF), 0.0, gl.float32, layout=rows_layout)
+        for piece in gl.static_range(PIECES):
+            c, s = _epilogue_piece(piece, tile_buf, rows_desc, scales, cos, sin, prev_m, prev_n, M, T, eps, c, s,
+                                   WIDTH, HD, rows_layout)
+        tma.store_wait(pendings=0)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
+
+
 def supported(x: torch.Tensor, w: torch.Tensor, heads: int) -> bool:
     """Whether this kernel takes the operands on x's device: Hopper with Gluon, qkv_rotary's operands, tokens a
     whole number of tiles, d a whole number of K steps and a head_dim of 64 or 128 (a tile is two heads, at most
@@ -136,7 +265,7 @@ def qkv_norm_rotary(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: to
     x, w, M, K, width, hd = qkv_rotary.checked_operands(x, w, heads, supported(x, w, heads), "Gluon kernel")
     qkv, scales = qkv_rotary.empty_outputs(x, width, heads)
     epilogue = EPILOGUE if epilogue is None else epilogue
-    if epilogue not in (EPILOGUE_BRANCH_FREE, EPILOGUE_V_AS_IS, EPILOGUE_TABLES_EARLY):
+    if epilogue not in (EPILOGUE_BRANCH_FREE, EPILOGUE_V_AS_IS, EPILOGUE_TABLES_EARLY, EPILOGUE_OVERLAPPED):
         raise ValueError(f"no epilogue form {epilogue}")
     if M % block_m:
         raise ValueError(f"the tokens ({M}) must be a whole number of {block_m}-row tiles")
@@ -144,6 +273,15 @@ def qkv_norm_rotary(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: to
     out_desc = relu2_hopper._descriptor(qkv.view(3 * M, width), [block_m, block_n])
     tiles = triton.cdiv(M, block_m) * (3 * width // block_n)
     grid = (min(tiles, programs or multiprocessors(x.device.index or 0)),)
+    if epilogue == EPILOGUE_OVERLAPPED:
+        if block_m % 32:
+            raise ValueError(f"the overlapped epilogue works in 32-row pieces; block_m {block_m} is not a multiple")
+        rows_desc = relu2_hopper._descriptor(qkv.view(3 * M, width), [32, block_n])
+        _qkv_kernel_overlapped[grid](
+            relu2_hopper._descriptor(x, [block_m, BLOCK_K]), relu2_hopper._descriptor(w, [block_n, BLOCK_K]), out_desc,
+            rows_desc, scales, cos.contiguous(), sin.contiguous(), M, T, eps, WIDTH=width, HD=hd, K_STEPS=K // BLOCK_K,
+            STAGES=stages, GROUP=group_m, num_warps=warps)
+        return qkv, scales
     _qkv_kernel[grid](relu2_hopper._descriptor(x, [block_m, BLOCK_K]), relu2_hopper._descriptor(w, [block_n, BLOCK_K]),
                       out_desc, scales, cos.contiguous(), sin.contiguous(), M, T, eps, WIDTH=width, HD=hd,
                       K_STEPS=K // BLOCK_K, STAGES=stages, GROUP=group_m, POST_STEP=min(post_step, K // BLOCK_K - 1),
