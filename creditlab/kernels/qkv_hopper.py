@@ -49,25 +49,32 @@ if gluon is not None:
         return rows, normed_rows, c, s
 
     @gluon.jit
-    def _norm_rotate(tile_buf, scales, rows, normed_rows, c, s, off_n, part, eps, WIDTH: gl.constexpr,
-                     HD: gl.constexpr, rows_layout: gl.constexpr):
-        """Each head of the tile in shared memory normalized and rotated in place (in float32; a tile of v at
-        scale 1 with c 1 and s 0), the row scales of q and k stored."""
+    def _norm_rotate_head(block, h: gl.constexpr, scales, rows, normed_rows, c, s, off_n, part, eps,
+                          WIDTH: gl.constexpr, HD: gl.constexpr, rows_layout: gl.constexpr):
+        """Head h of the rows `block` holds in shared memory, normalized and rotated in place (in float32; in a
+        tile of v at scale 1, with c 1 and s 0), the row scales of q and k stored."""
         HALF: gl.constexpr = HD // 2
         H: gl.constexpr = WIDTH // HD
+        lo = block.slice(h * HD, HALF, dim=1)
+        hi = block.slice(h * HD + HALF, HALF, dim=1)
+        first_half = lo.load(rows_layout).to(gl.float32)
+        second_half = hi.load(rows_layout).to(gl.float32)
+        squares = gl.sum(first_half * first_half, axis=1) + gl.sum(second_half * second_half, axis=1)
+        rms_scale = 1.0 / gl.sqrt(squares / HD + eps)
+        head = (off_n % WIDTH) // HD + h
+        gl.store(scales + rows * (2 * H) + part * H + head, rms_scale, mask=normed_rows)
+        scale = gl.expand_dims(gl.where(part < 2, rms_scale, 1.0), 1)
+        n1, n2 = first_half * scale, second_half * scale
+        lo.store((n1 * c + n2 * s).to(block.dtype))
+        hi.store((n2 * c - n1 * s).to(block.dtype))
+
+    @gluon.jit
+    def _norm_rotate(tile_buf, scales, rows, normed_rows, c, s, off_n, part, eps, WIDTH: gl.constexpr,
+                     HD: gl.constexpr, rows_layout: gl.constexpr):
+        """Every head of the tile in shared memory, as _norm_rotate_head."""
         for h in gl.static_range(tile_buf.shape[1] // HD):
-            lo = tile_buf.slice(h * HD, HALF, dim=1)
-            hi = tile_buf.slice(h * HD + HALF, HALF, dim=1)
-            first_half = lo.load(rows_layout).to(gl.float32)
-            second_half = hi.load(rows_layout).to(gl.float32)
-            squares = gl.sum(first_half * first_half, axis=1) + gl.sum(second_half * second_half, axis=1)
-            rms_scale = 1.0 / gl.sqrt(squares / HD + eps)
-            head = (off_n % WIDTH) // HD + h
-            gl.store(scales + rows * (2 * H) + part * H + head, rms_scale, mask=normed_rows)
-            scale = gl.expand_dims(gl.where(part < 2, rms_scale, 1.0), 1)
-            n1, n2 = first_half * scale, second_half * scale
-            lo.store((n1 * c + n2 * s).to(tile_buf.dtype))
-            hi.store((n2 * c - n1 * s).to(tile_buf.dtype))
+            _norm_rotate_head(tile_buf, h, scales, rows, normed_rows, c, s, off_n, part, eps, WIDTH, HD,
+                              rows_layout)
 
     @gluon.jit
     def _qkv_kernel(a_desc, b_desc, out_desc, scales, cos, sin, M, T, eps, WIDTH: gl.constexpr, HD: gl.constexpr,
@@ -127,7 +134,6 @@ if gluon is not None:
         block leaves by its own TMA store."""
         BN: gl.constexpr = tile_buf.shape[1]
         HALF: gl.constexpr = HD // 2
-        H: gl.constexpr = WIDTH // HD
         HEADS: gl.constexpr = BN // HD
         R0: gl.constexpr = (piece // HEADS) * PIECE_ROWS
         h: gl.constexpr = piece % HEADS
@@ -140,18 +146,7 @@ if gluon is not None:
             at = gl.expand_dims(rows % T, 1) * HALF + gl.expand_dims(cols, 0)
             c = gl.load(cos + at, mask=gl.expand_dims(normed_rows, 1), other=1.0)
             s = gl.load(sin + at, mask=gl.expand_dims(normed_rows, 1), other=0.0)
-        lo = block.slice(h * HD, HALF, dim=1)
-        hi = block.slice(h * HD + HALF, HALF, dim=1)
-        first_half = lo.load(rows_layout).to(gl.float32)
-        second_half = hi.load(rows_layout).to(gl.float32)
-        squares = gl.sum(first_half * first_half, axis=1) + gl.sum(second_half * second_half, axis=1)
-        rms_scale = 1.0 / gl.sqrt(squares / HD + eps)
-        head = (off_n % WIDTH) // HD + h
-        gl.store(scales + rows * (2 * H) + part * H + head, rms_scale, mask=normed_rows)
-        scale = gl.expand_dims(gl.where(part < 2, rms_scale, 1.0), 1)
-        n1, n2 = first_half * scale, second_half * scale
-        lo.store((n1 * c + n2 * s).to(tile_buf.dtype))
-        hi.store((n2 * c - n1 * s).to(tile_buf.dtype))
+        _norm_rotate_head(block, h, scales, rows, normed_rows, c, s, off_n, part, eps, WIDTH, HD, rows_layout)
         if h == HEADS - 1:
             fence_async_shared()
             _barrier()
