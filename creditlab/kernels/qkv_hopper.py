@@ -30,10 +30,9 @@ EPILOGUE = EPILOGUE_V_AS_IS
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
 
-    from creditlab.kernels.relu2_hopper import (_barrier, _issue_operands, _start_loads, _tile_offsets, _tile_products,
+    from creditlab.kernels.relu2_hopper import (_barrier, _k_step, _start_loads, _tile_offsets, _tile_products,
                                                 _tma_store)
 
     @gluon.jit
@@ -172,17 +171,8 @@ if gluon is not None:
         s = gl.full((PIECE_ROWS, HALF), 0.0, gl.float32, layout=rows_layout)
         acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
         for k in gl.static_range(K_STEPS):
-            step = tile * K_STEPS + k
-            stage = step % STAGES
-            mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage).permute((1, 0)), acc, use_acc=k > 0,
-                                is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            if (k + STAGES - 1) % K_STEPS == 0:
-                p_m, p_n = _tile_offsets(step + STAGES - 1, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS,
-                                         GROUP)
-            _issue_operands(step + STAGES - 1, total, p_m, p_n, a_desc, b_desc, a_bufs, b_bufs, ready, K_STEPS,
-                            STAGES, False)
+            acc, p_m, p_n = _k_step(k, tile, acc, first, programs, tiles_m, tiles_n, total, p_m, p_n, a_desc, b_desc,
+                                    a_bufs, b_bufs, ready, BM, BN, K_STEPS, False, STAGES, GROUP)
             if k < PIECES:
                 c, s = _epilogue_piece(k, tile_buf, rows_desc, scales, cos, sin, prev_m, prev_n, M, T, eps, c, s,
                                        WIDTH, HD, rows_layout)

@@ -65,6 +65,27 @@ if gluon is not None:
             _tma_load(b_desc, [off_n, (step % K_STEPS) * BK], bar, b_bufs.index(stage), pred=live)
 
     @gluon.jit
+    def _k_step(k: gl.constexpr, tile, acc, first, programs, tiles_m, tiles_n, total, p_m, p_n, a_desc, b_desc,
+                a_bufs, b_bufs, ready, BM: gl.constexpr, BN: gl.constexpr, K_STEPS: gl.constexpr,
+                B_IS_KN: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr):
+        """K step k of a program's `tile`-th tile: its product issued asynchronously once its operands have
+        landed, the step before waited for, and the stage that step read refilled STAGES - 1 steps ahead (p_m
+        and p_n, the tile the loads have reached, moved on at its first step). Returns (acc, p_m, p_n), acc with
+        this step's product still in flight."""
+        step = tile * K_STEPS + k
+        stage = step % STAGES
+        mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+        b = b_bufs.index(stage) if B_IS_KN else b_bufs.index(stage).permute((1, 0))
+        acc = warpgroup_mma(a_bufs.index(stage), b, acc, use_acc=k > 0, is_async=True)
+        # the step before has finished reading its stage, which the load below refills
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        if (k + STAGES - 1) % K_STEPS == 0:
+            p_m, p_n = _tile_offsets(step + STAGES - 1, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS, GROUP)
+        _issue_operands(step + STAGES - 1, total, p_m, p_n, a_desc, b_desc, a_bufs, b_bufs, ready, K_STEPS, STAGES,
+                        B_IS_KN)
+        return acc, p_m, p_n
+
+    @gluon.jit
     def _tile_products(tile, first, programs, tiles_m, tiles_n, total, p_m, p_n, a_desc, b_desc, a_bufs, b_bufs,
                        ready, post_desc, post_ready, tile_buf, acc_layout: gl.constexpr, K_STEPS: gl.constexpr,
                        B_IS_KN: gl.constexpr, LOAD_POST: gl.constexpr, POST_STEP: gl.constexpr,
@@ -81,18 +102,8 @@ if gluon is not None:
         # a loop edge while in flight (where ptxas would wait for it).
         acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
         for k in gl.static_range(K_STEPS):
-            step = tile * K_STEPS + k
-            stage = step % STAGES
-            mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
-            b = b_bufs.index(stage) if B_IS_KN else b_bufs.index(stage).permute((1, 0))
-            acc = warpgroup_mma(a_bufs.index(stage), b, acc, use_acc=k > 0, is_async=True)
-            # the step before has finished reading its stage, which the load below refills
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            if (k + STAGES - 1) % K_STEPS == 0:
-                p_m, p_n = _tile_offsets(step + STAGES - 1, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS,
-                                         GROUP)
-            _issue_operands(step + STAGES - 1, total, p_m, p_n, a_desc, b_desc, a_bufs, b_bufs, ready, K_STEPS,
-                            STAGES, B_IS_KN)
+            acc, p_m, p_n = _k_step(k, tile, acc, first, programs, tiles_m, tiles_n, total, p_m, p_n, a_desc, b_desc,
+                                    a_bufs, b_bufs, ready, BM, BN, K_STEPS, B_IS_KN, STAGES, GROUP)
             if k == POST_STEP:
                 if not SEPARATE_POST:
                     tma.store_wait(pendings=0)
