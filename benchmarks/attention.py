@@ -13,7 +13,6 @@ DIR/attention.md; any CUDA machine.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import traceback
 from pathlib import Path
@@ -24,9 +23,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fp8_head import alternated_rounds, ratio_text, round_summary  # noqa: E402
+from fp8_head import alternated_rounds, error_text, failure_rows, ratio_text, round_summary  # noqa: E402
+from qk_norm import attention_problem  # noqa: E402
 
-from creditlab.runtime import gpu_benchmark_folder, largest_relative_error, write_benchmark  # noqa: E402
+from creditlab.runtime import largest_relative_error, write_benchmark  # noqa: E402
 
 SCALE = 0.12  # the model's attention scale
 BACKENDS = ("cudnn", "flash", "efficient", "flex")
@@ -86,18 +86,11 @@ def flops(batch: int, seq: int, heads: int, head_dim: int) -> dict[str, float]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--backends", default=",".join(BACKENDS))
-    args = ap.parse_args()
-    out = gpu_benchmark_folder(args.out)
-    if out is None:
+    problem = attention_problem(__doc__.splitlines()[0], lambda ap: ap.add_argument(
+        "--backends", default=",".join(BACKENDS), help="comma-separated, the first the base of the ratios"))
+    if problem is None:
         return 2
-    B, T, H, D = args.batch, args.seq, args.heads, args.head_dim
+    args, out, B, T, H, D, _ = problem
     q, k, v, dout = inputs(B, T, H, D, "cuda")
     small = [t[:2] for t in (q, k, v, dout)]
     trained = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -134,8 +127,8 @@ def main() -> int:
         rate = work[kind] / (r["median_ms"] * 1e-3) / 1e12
         result["paths"][name] = r | {"tflops": rate}
         lines.append(f"| {name} | {r['median_ms']:.3f} | {rate:.0f} | {ratio_text(r)} | "
-                     + ", ".join(f"{e:.1e}" for e in errors[backend]) + " |")
-    lines += [f"| {name} | failed: {why.strip().splitlines()[-1][:200]} | | | |" for name, why in failures.items()]
+                     f"{error_text(errors[backend])} |")
+    lines += failure_rows(failures, 5)
     write_benchmark(out, "attention", result, lines)
     return 0
 

@@ -36,15 +36,25 @@ if gluon is not None:
                                                 _tma_store)
 
     @gluon.jit
-    def _tables(cos, sin, off_m, M, T, part, BM: gl.constexpr, HALF: gl.constexpr, rows_layout: gl.constexpr):
-        """A tile's rows (their indices, whether each is a row of q or k) and their rotary tables (c, s); in a tile
-        of v or past the matrix, c 1 and s 0, read from nowhere."""
-        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, rows_layout))
+    def _rows(off_m, M, part, BM: gl.constexpr, rows_layout: gl.constexpr):
+        """BM rows from off_m: their indices, and whether each is a row of q or k (not v, not past the matrix)."""
         rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, rows_layout))
-        normed_rows = rows < gl.where(part < 2, M, 0)
+        return rows, rows < gl.where(part < 2, M, 0)
+
+    @gluon.jit
+    def _rotary_tables(cos, sin, rows, normed_rows, T, HALF: gl.constexpr, rows_layout: gl.constexpr):
+        """The rows' rotary tables (c, s); for a row of v or past the matrix, c 1 and s 0, read from nowhere."""
+        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, rows_layout))
         at = gl.expand_dims(rows % T, 1) * HALF + gl.expand_dims(cols, 0)
         c = gl.load(cos + at, mask=gl.expand_dims(normed_rows, 1), other=1.0)
         s = gl.load(sin + at, mask=gl.expand_dims(normed_rows, 1), other=0.0)
+        return c, s
+
+    @gluon.jit
+    def _tables(cos, sin, off_m, M, T, part, BM: gl.constexpr, HALF: gl.constexpr, rows_layout: gl.constexpr):
+        """A tile's rows (_rows) and their rotary tables (_rotary_tables): (rows, normed_rows, c, s)."""
+        rows, normed_rows = _rows(off_m, M, part, BM, rows_layout)
+        c, s = _rotary_tables(cos, sin, rows, normed_rows, T, HALF, rows_layout)
         return rows, normed_rows, c, s
 
     @gluon.jit
@@ -121,7 +131,6 @@ if gluon is not None:
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
 
-
     PIECE_ROWS = gl.constexpr(32)  # a piece of the overlapped epilogue: 32 rows of one head
 
     @gluon.jit
@@ -138,13 +147,9 @@ if gluon is not None:
         h: gl.constexpr = piece % HEADS
         part = off_n // WIDTH
         block = tile_buf.slice(R0, PIECE_ROWS, dim=0)
-        rows = off_m + R0 + gl.arange(0, PIECE_ROWS, layout=gl.SliceLayout(1, rows_layout))
-        normed_rows = rows < gl.where(part < 2, M, 0)
+        rows, normed_rows = _rows(off_m + R0, M, part, PIECE_ROWS, rows_layout)
         if h == 0:
-            cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, rows_layout))
-            at = gl.expand_dims(rows % T, 1) * HALF + gl.expand_dims(cols, 0)
-            c = gl.load(cos + at, mask=gl.expand_dims(normed_rows, 1), other=1.0)
-            s = gl.load(sin + at, mask=gl.expand_dims(normed_rows, 1), other=0.0)
+            c, s = _rotary_tables(cos, sin, rows, normed_rows, T, HALF, rows_layout)
         _norm_rotate_head(block, h, scales, rows, normed_rows, c, s, off_n, part, eps, WIDTH, HD, rows_layout)
         if h == HEADS - 1:
             fence_async_shared()
