@@ -79,6 +79,8 @@ MODIFIERS = {
     "product_qk": ["model.qk=product"],  # QK-norm and rotary in the Q/K/V product's epilogue
     "gluon_qk": ["model.qk=product", "model.qk_kernel=gluon"],  # ... the product as the Gluon kernel (Hopper)
     "triton_qk": ["model.qk=product", "model.qk_kernel=triton"],  # ... as the Triton kernel
+    # ... with each tile's epilogue beside the next tile's products
+    "overlapped_qk": ["model.qk=product", "model.qk_kernel=gluon_overlapped"],
     "fused_gate": ["model.attn_gate=fused"],  # the attention gate's thin product one pass each way
     "plain_gate": ["model.attn_gate=plain"],  # ... as three cuBLAS products (the earlier default)
     "norm_keeps_output": ["model.norm=keep_output"],

@@ -66,7 +66,8 @@ class ModelConfig:
     # The Q/K/V product's kernel with model.qk=product on CUDA: triton (kernels/qkv_rotary.py); gluon: on compute
     # capability 9, where the tokens are whole tiles, the Gluon kernel whose epilogue's store drains while the
     # next tile's products run (kernels/qkv_hopper.py), elsewhere the same as triton (records from before the
-    # option read triton)
+    # option read triton); gluon_overlapped: the Gluon kernel with each tile's epilogue run in pieces beside the
+    # next tile's products (qkv_hopper.EPILOGUE_OVERLAPPED, benchmarks/qk_norm.md)
     qk_kernel: str = "gluon"
 
     @property
@@ -143,10 +144,11 @@ RECOMPUTE_PARTS = ("norm", "qk", "mlp")
 MLPS = ("fused", "plain")  # also the choices of model.embed, .attn_gate, credit.decode, .fit_rows and .products
 NORMS = ("plain", "keep_output")
 HEADS = ("plain", "fp8")
-MLP_DGRADS = ("triton", "gluon")  # also the choices of model.qk_kernel
+MLP_DGRADS = ("triton", "gluon")
+QK_KERNELS = ("triton", "gluon", "gluon_overlapped")
 QKS = ("fused", "product", "plain")
 MODEL_CHOICES = {"mlp": MLPS, "qk": QKS, "norm": NORMS, "head": HEADS, "embed": MLPS, "mlp_dgrad": MLP_DGRADS,
-                 "attn_gate": MLPS, "qk_kernel": MLP_DGRADS}
+                 "attn_gate": MLPS, "qk_kernel": QK_KERNELS}
 # (key, values, recompute part, what it keeps): with model.<key> one of <values> that part has nothing to recompute
 LEAN_MODULES = (("mlp", ("fused",), "mlp", "the fused MLP keeps only ReLU^2's output"),
                 ("qk", ("fused", "product"), "qk", "the fused QK-norm keeps only what attention keeps"),

@@ -122,6 +122,10 @@ def qk_norm_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head
     return _QKNormRotary.apply(qkv, cos, sin, heads)
 
 
+# model.qk_kernel's Gluon forms: the keywords each passes to qkv_hopper.qkv_norm_rotary
+GLUON_FORMS = {"gluon": {}, "gluon_overlapped": {"epilogue": qkv_hopper.EPILOGUE_OVERLAPPED}}
+
+
 @torch.library.custom_op("creditlab::qkv_product_norm_rotary", mutates_args=())
 def product_forward_op(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
                        kernel: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,8 +136,8 @@ def product_forward_op(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin:
     B, T, d = x.shape
     rows = x.reshape(B * T, d)
     hd = w.shape[0] // 3 // heads
-    if kernel == "gluon" and qkv_hopper.supported(rows, w, heads):
-        qkv, scales = qkv_hopper.qkv_norm_rotary(rows, w, cos, sin, heads, T, EPS)
+    if kernel in ("gluon", "gluon_overlapped") and qkv_hopper.supported(rows, w, heads):
+        qkv, scales = qkv_hopper.qkv_norm_rotary(rows, w, cos, sin, heads, T, EPS, **GLUON_FORMS[kernel])
         return qkv.view(3, B, T, heads, hd), scales.view(B, T, 2, heads)
     if kernels.available(x) and qkv_rotary.supported(rows, w, heads):
         qkv, scales = qkv_rotary.qkv_norm_rotary(rows, w, cos, sin, heads, T, EPS)

@@ -436,8 +436,9 @@ def test_the_gluon_qkv_kernel_compiles_for_hopper_within_its_shared_memory():
 
 
 def test_model_qk_kernel_gluon_reaches_the_gluon_kernel_where_it_takes_the_operands(monkeypatch):
-    """model.qk_kernel=gluon sends the product to kernels/qkv_hopper.py where that kernel takes the operands, and
-    model.qk_kernel=triton never does; on this CPU the Gluon kernel takes nothing."""
+    """model.qk_kernel=gluon (and gluon_overlapped, with its epilogue's form) sends the product to
+    kernels/qkv_hopper.py where that kernel takes the operands, and model.qk_kernel=triton never does; on this CPU
+    the Gluon kernel takes nothing."""
     from creditlab import qk_norm
     from creditlab.kernels import qkv_hopper
     from creditlab.model import Rotary
@@ -450,8 +451,8 @@ def test_model_qk_kernel_gluon_reaches_the_gluon_kernel_where_it_takes_the_opera
     want = qk_norm.product_norm_rotary(n, w, rot.cos, rot.sin, heads, "gluon")  # the torch arithmetic
     calls = []
 
-    def through_torch(x, w, cos, sin, heads, T, eps):  # the kernel's contract, by the torch arithmetic
-        calls.append(x.shape)
+    def through_torch(x, w, cos, sin, heads, T, eps, **form):  # the kernel's contract, by the torch arithmetic
+        calls.append((x.shape, form))
         q, k, v, scales = qk_norm.reference_forward((x @ w.t()).view(-1, T, w.shape[0]), cos, sin, heads, eps)
         return torch.stack((q, k, v)).view(3, x.shape[0], -1), scales.reshape(x.shape[0], 2, heads)
 
@@ -460,9 +461,11 @@ def test_model_qk_kernel_gluon_reaches_the_gluon_kernel_where_it_takes_the_opera
     qk_norm.product_norm_rotary(n, w, rot.cos, rot.sin, heads, "triton")
     assert calls == []
     got = qk_norm.product_norm_rotary(n, w, rot.cos, rot.sin, heads, "gluon")
-    assert calls == [(B * T, d)]
-    for a, b in zip(got, want):
+    overlapped = qk_norm.product_norm_rotary(n, w, rot.cos, rot.sin, heads, "gluon_overlapped")
+    assert calls == [((B * T, d), {}), ((B * T, d), {"epilogue": qkv_hopper.EPILOGUE_OVERLAPPED})]
+    for a, b, c in zip(got, want, overlapped):
         torch.testing.assert_close(a, b)
+        torch.testing.assert_close(c, b)
 
 
 @pytest.mark.parametrize("case", ["embedding_zipf", "embedding_one_token", "embedding_distinct", "embedding_few_tokens"])
