@@ -57,6 +57,12 @@ def main() -> int:
                                 lambda s=post_step, g=group: hopper.relu2_dgrad(dy, w_proj, post, post_step=s,
                                                                                 group_m=g), want_dgrad))
     groups["dgrad"].append(("Gluon, no epilogue", lambda: hopper.relu2_dgrad(dy, w_proj, None), want_plain))
+    # Each tile's epilogue in row pieces, one after each K step of the next tile's products, its raw product
+    # waiting in shared memory (rounded to bf16 there) and its post rows read by plain loads a piece ahead
+    for rows in (16, 32):
+        groups["dgrad"].append((f"Gluon + derivative epilogue in {rows}-row pieces beside the next tile's products",
+                                lambda r=rows: hopper.relu2_dgrad(dy, w_proj, post, overlapped=True, piece_rows=r),
+                                want_dgrad))
     # The post tile in a buffer of its own, requested at the tile's first K step without waiting for the previous
     # result's store (64 KB more shared memory: 2 stages of 64-wide K steps, or 4 of 32-wide ones)
     for bk, stages in ((64, 2), (32, 4)):

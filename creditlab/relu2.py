@@ -22,6 +22,8 @@ product, with model.mlp_dgrad=gluon on Hopper, as the Gluon kernel of kernels/re
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -63,15 +65,18 @@ relu2_dgrad.register_fake(_dgrad_fake)
 
 
 @torch.library.custom_op("creditlab::relu2_dgrad_gluon", mutates_args=())
-def relu2_dgrad_gluon(dy: torch.Tensor, w: torch.Tensor, post: torch.Tensor) -> torch.Tensor:
-    """relu2_dgrad through the Gluon kernel where it runs (compute capability 9), else as relu2_dgrad."""
+def relu2_dgrad_gluon(dy: torch.Tensor, w: torch.Tensor, post: torch.Tensor, overlapped: bool = False) -> torch.Tensor:
+    """relu2_dgrad through the Gluon kernel where it runs (compute capability 9), else as relu2_dgrad; with
+    `overlapped`, the kernel whose epilogue runs in pieces beside the next tile's products."""
     if _kernel_takes(dy, w) and post.dtype == dy.dtype and relu2_hopper.available(dy) \
             and dy.shape[1] % relu2_hopper.BLOCK_K == 0:
-        return relu2_hopper.relu2_dgrad(dy, w, post)
+        return relu2_hopper.relu2_dgrad(dy, w, post, overlapped=overlapped)
     return relu2_dgrad(dy, w, post)
 
 
-relu2_dgrad_gluon.register_fake(_dgrad_fake)
+@relu2_dgrad_gluon.register_fake
+def _(dy, w, post, overlapped=False):
+    return _dgrad_fake(dy, w, post)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -124,7 +129,8 @@ class _ProjectReLU2(torch.autograd.Function):
         return dh, dw, None
 
 
-DGRADS = {"triton": relu2_dgrad, "gluon": relu2_dgrad_gluon}  # model.mlp_dgrad
+DGRADS = {"triton": relu2_dgrad, "gluon": relu2_dgrad_gluon,  # model.mlp_dgrad
+          "gluon_overlapped": functools.partial(relu2_dgrad_gluon, overlapped=True)}
 
 
 def expand_relu2(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

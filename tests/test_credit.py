@@ -89,7 +89,8 @@ def test_check_counts_which_products_are_omitted_not_only_how_many(monkeypatch):
 
 @pytest.mark.parametrize("mlp, dgrad, qk, gate", [("fused", "gluon", "fused", "plain"), ("fused", "triton", "fused", "plain"),
                                                   ("plain", "gluon", "fused", "plain"),
-                                                  ("fused", "gluon", "product", "fused")])
+                                                  ("fused", "gluon", "product", "fused"),
+                                                  ("fused", "gluon_overlapped", "product", "fused")])
 def test_native_backward_reads_every_block_matrix(mlp, dgrad, qk, gate):
     # so that an input-gradient product computed inside an operator (the fused MLP's relu2_dgrad, or
     # relu2_dgrad_gluon, model.mlp_dgrad; the attention gate's thin_linear_backward, model.attn_gate=fused), or

@@ -405,6 +405,29 @@ def test_the_derivative_kernel_with_its_post_tile_apart_fits_hopper_at_two_stage
 
 
 @pytest.mark.slow
+def test_the_overlapped_derivative_kernel_compiles_for_hopper_in_the_default_kernels_shared_memory():
+    # each tile's epilogue in 16-row pieces beside the next tile's products: its post rows come by plain loads,
+    # so it needs no more shared memory than the default kernel, and (the check can fail) a fourth stage of
+    # operands does not fit beside its tile buffer either
+    from creditlab.kernels import relu2_hopper as hopper
+
+    bm, bn, bk = hopper.BLOCK_M, hopper.BLOCK_N, hopper.BLOCK_K
+
+    def at(stages):
+        return _compile_gluon(
+            hopper._dgrad_kernel_overlapped,
+            {"a_desc": _gluon_descriptor([bm, bk]), "b_desc": _gluon_descriptor([bk, bn]),
+             "c_desc": _gluon_descriptor([bm, bn]), "rows_desc": _gluon_descriptor([16, bn]), "post": "*bf16",
+             "M": "i32", "N": "i32"},
+            {"K_STEPS": 512 // bk, "STAGES": stages, "GROUP": hopper.GROUP_M, "num_warps": hopper.WARPS},
+            hopper.WARPS)
+
+    compiled, four = _shared_memory_at_three_and_four_stages(at)
+    assert _issues_warpgroup_products_and_tma(compiled)
+    assert compiled.metadata.shared <= _compile_gluon_mlp(3).metadata.shared < four, (compiled.metadata.shared, four)
+
+
+@pytest.mark.slow
 def test_the_gluon_qkv_kernel_compiles_for_hopper_within_its_shared_memory():
     # as the MLP kernels'; q, k, v and the row scales are checked against float64 on the GPU by
     # benchmarks/qkv_rotary.py before it times the kernel

@@ -259,11 +259,13 @@ def test_no_forward_op_is_upcast_by_cuda_autocast(source):
     assert _upcast_by_cuda_autocast(lambda i: model.hidden(i, credit=credit_source.step()), idx) == []
 
 
-def test_the_gluon_derivative_product_option_gives_the_same_gradients_in_float64():
-    # model.mlp_dgrad=gluon routes the fused MLP's derivative product through its own operator, which off Hopper
-    # (and in float64) computes what model.mlp_dgrad=triton does: every parameter's gradient equal
+@pytest.mark.parametrize("gluon", ["gluon", "gluon_overlapped"])
+def test_the_gluon_derivative_product_option_gives_the_same_gradients_in_float64(gluon):
+    # model.mlp_dgrad=gluon (or gluon_overlapped) routes the fused MLP's derivative product through its own
+    # operator, which off Hopper (and in float64) computes what model.mlp_dgrad=triton does: every parameter's
+    # gradient equal
     idx, tgt = tokens(small_cfg(), batch=2, seed=4)
-    _assert_same_float64_gradients("model.mlp_dgrad=gluon", "model.mlp_dgrad=triton", idx, tgt,
+    _assert_same_float64_gradients(f"model.mlp_dgrad={gluon}", "model.mlp_dgrad=triton", idx, tgt,
                                    "blocks.0.mlp.fc.weight")
 
 
@@ -361,7 +363,7 @@ def test_the_fused_modules_operators_declare_their_outputs_truthfully():
     q, k, v, scales = qk_norm.forward_op(qkv, cos, sin, 2)
     post = relu2.relu2_linear(x, w_kn.t())
     cases = [(relu2.relu2_linear, (x, w)), (relu2.relu2_dgrad, (x, w_kn, post)),
-             (relu2.relu2_dgrad_gluon, (x, w_kn, post)),
+             (relu2.relu2_dgrad_gluon, (x, w_kn, post)), (relu2.relu2_dgrad_gluon, (x, w_kn, post, True)),
              (qk_norm.forward_op, (qkv, cos, sin, 2)), (qk_norm.backward_op, (q, k, v, q, k, scales, cos, sin))]
     for op, args in cases:
         result = torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

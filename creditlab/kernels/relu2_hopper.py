@@ -189,6 +189,98 @@ if gluon is not None:
         mbarrier.invalidate(post_ready)
 
 
+    @gluon.jit
+    def _post_rows(post, off_m, off_n, piece: gl.constexpr, M, N, PIECE: gl.constexpr, BN: gl.constexpr,
+                   rows_layout: gl.constexpr):
+        """Rows piece * PIECE .. + PIECE of the post tile at (off_m, off_n), loaded from global memory (zeros past
+        the matrix); a piece's loads are issued one piece ahead, so their latency passes during a product."""
+        rows = off_m + piece * PIECE + gl.arange(0, PIECE, layout=gl.SliceLayout(1, rows_layout))
+        cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, rows_layout))
+        at = gl.expand_dims(rows.to(gl.int64) * N, 1) + gl.expand_dims(cols, 0)
+        inside = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
+        return gl.load(post + at, mask=inside, other=0.0)
+
+    @gluon.jit
+    def _derivative_piece(piece: gl.constexpr, tile_buf, rows_desc, post_rows, off_m, off_n,
+                          rows_layout: gl.constexpr):
+        """Rows piece * PIECE .. + PIECE of the tile's raw product in shared memory times 2 sqrt(post), written in
+        place and sent out by their own TMA store."""
+        PIECE: gl.constexpr = rows_desc.block_type.shape[0]
+        block = tile_buf.slice(piece * PIECE, PIECE, dim=0)
+        raw = block.load(rows_layout).to(gl.float32)
+        block.store((raw * (2.0 * gl.sqrt(post_rows.to(gl.float32)))).to(block.dtype))
+        fence_async_shared()
+        _barrier()
+        _tma_store(rows_desc, [off_m + piece * PIECE, off_n], block)
+
+    @gluon.jit
+    def _next_post_rows(piece: gl.constexpr, post, prev_m, prev_n, off_m, off_n, M, N, PIECE: gl.constexpr,
+                        PIECES: gl.constexpr, BN: gl.constexpr, rows_layout: gl.constexpr):
+        """The post rows of the piece after `piece` of the tile at (prev_m, prev_n): the next piece's, or after
+        the last, the first piece's of the tile at (off_m, off_n)."""
+        if piece + 1 < PIECES:
+            rows = _post_rows(post, prev_m, prev_n, piece + 1, M, N, PIECE, BN, rows_layout)
+        else:
+            rows = _post_rows(post, off_m, off_n, 0, M, N, PIECE, BN, rows_layout)
+        return rows
+
+    @gluon.jit
+    def _dgrad_kernel_overlapped(a_desc, b_desc, c_desc, rows_desc, post, M, N, K_STEPS: gl.constexpr,
+                                 STAGES: gl.constexpr, GROUP: gl.constexpr, num_warps: gl.constexpr):
+        """(dy w) * 2 sqrt(post) with each tile's epilogue run in row pieces during the next tile's products (the
+        last tile's after them), as qkv_hopper's overlapped kernel runs its epilogue: the tile's raw product waits
+        in shared memory in the output dtype (rounded there, as a product stored by cuBLAS before a separate
+        derivative pass is), each piece reads its post rows from global memory, loaded a piece ahead, and
+        leaves by its own TMA store; the next product enters the buffer when those stores have drained."""
+        BM: gl.constexpr = c_desc.block_type.shape[0]
+        BN: gl.constexpr = c_desc.block_type.shape[1]
+        PIECE: gl.constexpr = rows_desc.block_type.shape[0]
+        PIECES: gl.constexpr = BM // PIECE
+        dtype: gl.constexpr = a_desc.dtype
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                             instr_shape=[16, BN, 16])
+        # a warp a row, 8 contiguous entries a thread
+        rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BN, BN // 8], [num_warps, 1], [1, 0])
+        tile_buf = gl.allocate_shared_memory(dtype, [BM, BN], c_desc.layout)
+        a_bufs, b_bufs, ready, first, programs, tiles_m, tiles_n, my_tiles, total, p_m, p_n = _start_loads(
+            a_desc, b_desc, tile_buf, M, N, K_STEPS, True, STAGES, GROUP)
+        # the first tile's products alone (no store is pending: the store wait at K step 0 returns at once)
+        acc, prev_m, prev_n, p_m, p_n = _tile_products(
+            0, first, programs, tiles_m, tiles_n, total, p_m, p_n, a_desc, b_desc, a_bufs, b_bufs, ready, c_desc,
+            ready, tile_buf, acc_layout, K_STEPS, True, False, 0, STAGES, GROUP, False)
+        post_rows = _post_rows(post, prev_m, prev_n, 0, M, N, PIECE, BN, rows_layout)
+        tile_buf.store(acc.to(dtype))
+        _barrier()
+        for tile in range(1, my_tiles):
+            off_m, off_n = _tile_offsets(tile * K_STEPS, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS, GROUP)
+            acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
+            for k in gl.static_range(K_STEPS):
+                acc, p_m, p_n = _k_step(k, tile, acc, first, programs, tiles_m, tiles_n, total, p_m, p_n, a_desc,
+                                        b_desc, a_bufs, b_bufs, ready, BM, BN, K_STEPS, True, STAGES, GROUP)
+                if k < PIECES:
+                    _derivative_piece(k, tile_buf, rows_desc, post_rows, prev_m, prev_n, rows_layout)
+                    post_rows = _next_post_rows(k, post, prev_m, prev_n, off_m, off_n, M, N, PIECE, PIECES, BN,
+                                                rows_layout)
+            for piece in gl.static_range(K_STEPS, PIECES):
+                _derivative_piece(piece, tile_buf, rows_desc, post_rows, prev_m, prev_n, rows_layout)
+                post_rows = _next_post_rows(piece, post, prev_m, prev_n, off_m, off_n, M, N, PIECE, PIECES, BN,
+                                            rows_layout)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            # the previous tile's pieces have left the buffer (the issuing thread waits, the rest wait for it)
+            tma.store_wait(pendings=0)
+            _barrier()
+            tile_buf.store(acc.to(dtype))
+            _barrier()
+            prev_m, prev_n = off_m, off_n
+        for piece in gl.static_range(PIECES):
+            _derivative_piece(piece, tile_buf, rows_desc, post_rows, prev_m, prev_n, rows_layout)
+            if piece + 1 < PIECES:
+                post_rows = _post_rows(post, prev_m, prev_n, piece + 1, M, N, PIECE, BN, rows_layout)
+        tma.store_wait(pendings=0)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
+
+
 def available(t: torch.Tensor) -> bool:
     """Whether the Gluon kernel can run on t's device: a CUDA device of compute capability 9 with Gluon."""
     return gluon is not None and t.is_cuda and _major_capability(t.device.index or 0) == 9
@@ -230,19 +322,44 @@ def _launch(a: torch.Tensor, b: torch.Tensor, b_is_kn: bool, epilogue: int, post
     return out
 
 
+def _launch_dgrad_overlapped(dy: torch.Tensor, w: torch.Tensor, post: torch.Tensor, piece_rows: int = 16,
+                             group_m: int = GROUP_M, stages: int = STAGES) -> torch.Tensor:
+    """relu2_dgrad through _dgrad_kernel_overlapped, at 128 x 256 x 64 tiles and pieces of `piece_rows` rows."""
+    M, K = dy.shape
+    N = w.shape[1]
+    if w.shape[0] != K or post.shape != (M, N) or post.dtype != dy.dtype:
+        raise ValueError(f"shapes differ: dy {tuple(dy.shape)}, w {tuple(w.shape)}, post {tuple(post.shape)}")
+    if K % BLOCK_K or BLOCK_M % piece_rows:
+        raise ValueError(f"the inner dimension ({K}) must be a multiple of {BLOCK_K} and {BLOCK_M} rows a whole "
+                         f"number of pieces ({piece_rows})")
+    dy, w, post = dy.contiguous(), w.contiguous(), post.contiguous()
+    out = torch.empty((M, N), dtype=dy.dtype, device=dy.device)
+    tiles = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)
+    grid = (min(tiles, multiprocessors(dy.device.index or 0)),)
+    _dgrad_kernel_overlapped[grid](_descriptor(dy, [BLOCK_M, BLOCK_K]), _descriptor(w, [BLOCK_K, BLOCK_N]),
+                                   _descriptor(out, [BLOCK_M, BLOCK_N]), _descriptor(out, [piece_rows, BLOCK_N]),
+                                   post, M, N, K_STEPS=K // BLOCK_K, STAGES=stages, GROUP=group_m,
+                                   num_warps=WARPS)
+    return out
+
+
 def relu2_linear(x: torch.Tensor, w: torch.Tensor, **tiles) -> torch.Tensor:
     """relu(x w^T)^2 for x (M, K) and w (N, K), one 16-bit dtype (accumulated in float32)."""
     return _launch(x, w, False, EPILOGUE_RELU2, **tiles)
 
 
-def relu2_dgrad(dy: torch.Tensor, w: torch.Tensor, post: torch.Tensor | None, **tiles) -> torch.Tensor:
+def relu2_dgrad(dy: torch.Tensor, w: torch.Tensor, post: torch.Tensor | None, overlapped: bool = False,
+                **tiles) -> torch.Tensor:
     """(dy w) * 2 sqrt(post) for dy (M, K), w (K, N), post (M, N), one 16-bit dtype; with post None, dy w alone
     (the kernel's own speed). Keywords: the tiling (`post_step`, the K step of each tile at which its post tile is
     requested; `group_m`, `stages`, `block_m`, `block_n`, `block_k`, `warps` (4: one warpgroup, at most 64 x 256 or
     128 x 128 of accumulator), `programs`, more than the multiprocessors where two programs fit on one;
     `separate_post`, the post tile in a shared-memory buffer of its own, so that it can be requested at any K step
     without waiting for the previous result's store: 64 KB more, which fits at 2 stages of 64-wide K steps or 4 of
-    32-wide ones))."""
+    32-wide ones)). With `overlapped` (and a post), each tile's epilogue runs in row pieces beside the next tile's
+    products (_dgrad_kernel_overlapped; keywords `piece_rows`, `group_m`, `stages`)."""
+    if overlapped and post is not None:
+        return _launch_dgrad_overlapped(dy, w, post, **tiles)
     return _launch(dy, w, True, EPILOGUE_NONE if post is None else EPILOGUE_RELU2_GRAD, post=post, **tiles)
 
 
