@@ -365,6 +365,8 @@ ARMS_FIGURES = [
      "credit arms on the final tree (tiles of v as the product made them), one H100"),
     ("arms_autotune_gemm_h100_seed.json", "arms_autotune_gemm_h100_seed.png",
      "native with the compiler's products autotuned (train.compile_mode=autotune-gemm), one H100"),
+    ("arms_overlapped_epilogues_h100_seed.json", "arms_overlapped_epilogues_h100_seed.png",
+     "native with the Q/K/V or the derivative product's epilogue beside the next tile's products, one H100"),
 ]
 
 
@@ -478,6 +480,12 @@ QKV_EPILOGUE_PATHS = (QKV_PATHS[0], "the Q/K/V product with QK-norm and rotary: 
                       "128, bf16, one H100")
 POST_APART_PATHS = (TWO_PROGRAMS_PATHS[0], "the fused MLP's products: the derivative product's post tile in a buffer "
                     "of its own, beside every tiling\n131,072 x 512 -> 2,048, bf16, one H100")
+QKV_OVERLAPPED_PATHS = (QKV_PATHS[0], "the Q/K/V product with QK-norm and rotary: the epilogue in 32-row pieces "
+                        "beside the next tile's products,\nbeside every form and tiling; 131,072 x 512 -> 3 x 512, 4 "
+                        "heads of 128, bf16, one H100")
+DGRAD_OVERLAPPED_PATHS = (TWO_PROGRAMS_PATHS[0], "the fused MLP's products: the derivative product's epilogue in row "
+                          "pieces beside the next tile's products,\nbeside every tiling; 131,072 x 512 -> 2,048, "
+                          "bf16, one H100")
 ATTENTION_PATHS = ("time over cuDNN's same pass, per round (median, range of 10 alternated rounds)",
                    "causal attention in each kernel PyTorch offers, forward and forward + backward\n"
                    "64 x 2,048 tokens, 4 heads of 128, bf16, one H100")
@@ -671,6 +679,10 @@ def main() -> None:
                            QKV_EPILOGUE_PATHS))
     print(plot_path_ratios([results / "relu2_hopper_post_apart_h100_seed.json"], out,
                            "relu2_hopper_post_apart_h100_seed.png", POST_APART_PATHS))
+    print(plot_path_ratios([results / "qkv_rotary_overlapped_h100_seed.json"], out,
+                           "qkv_rotary_overlapped_h100_seed.png", QKV_OVERLAPPED_PATHS))
+    print(plot_path_ratios([results / "relu2_hopper_overlapped_h100_seed.json"], out,
+                           "relu2_hopper_overlapped_h100_seed.png", DGRAD_OVERLAPPED_PATHS))
     print(plot_gate_decode(results / "gate_decode_first_seed.json", out, "gate_decode_first_seed.png"))
     print(plot_gate_decode(results / "gate_decode_seed.json", out, "gate_decode_seed.png"))
     print(plot_kernel_bandwidth(results / "kernel_bandwidth_seed.json", out, "kernel_bandwidth_seed.png"))
