@@ -32,8 +32,8 @@ if gluon is not None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
 
-    from creditlab.kernels.relu2_hopper import (_barrier, _k_step, _start_loads, _tile_offsets, _tile_products,
-                                                _tma_store)
+    from creditlab.kernels.relu2_hopper import (_accumulator_layout, _barrier, _end_program, _k_step, _start_loads,
+                                                _tile_offsets, _tile_products, _tma_store)
 
     @gluon.jit
     def _rows(off_m, M, part, BM: gl.constexpr, rows_layout: gl.constexpr):
@@ -93,8 +93,7 @@ if gluon is not None:
         BN: gl.constexpr = out_desc.block_type.shape[1]
         HALF: gl.constexpr = HD // 2
         dtype: gl.constexpr = a_desc.dtype
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                             instr_shape=[16, BN, 16])
+        acc_layout: gl.constexpr = _accumulator_layout(BN, num_warps)
         # a half head a thread row of 8 columns: 16-byte shared-memory reads
         rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HALF, HALF // 8], [num_warps, 1], [1, 0])
         tile_buf = gl.allocate_shared_memory(dtype, [BM, BN], out_desc.layout)
@@ -127,9 +126,7 @@ if gluon is not None:
             fence_async_shared()
             _barrier()
             _tma_store(out_desc, [part * M + off_m, off_n % WIDTH], tile_buf)
-        tma.store_wait(pendings=0)
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(ready.index(i))
+        _end_program(ready, STAGES)
 
     PIECE_ROWS = gl.constexpr(32)  # a piece of the overlapped epilogue: 32 rows of one head
 
@@ -199,8 +196,7 @@ if gluon is not None:
         HALF: gl.constexpr = HD // 2
         PIECES: gl.constexpr = (BM // PIECE_ROWS) * (BN // HD)
         dtype: gl.constexpr = a_desc.dtype
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                             instr_shape=[16, BN, 16])
+        acc_layout: gl.constexpr = _accumulator_layout(BN, num_warps)
         rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HALF, HALF // 8], [num_warps, 1], [1, 0])
         tile_buf = gl.allocate_shared_memory(dtype, [BM, BN], out_desc.layout)
         a_bufs, b_bufs, ready, first, programs, tiles_m, tiles_n, my_tiles, total, p_m, p_n = _start_loads(
@@ -227,9 +223,7 @@ if gluon is not None:
         for piece in gl.static_range(PIECES):
             c, s = _epilogue_piece(piece, tile_buf, rows_desc, scales, cos, sin, prev_m, prev_n, M, T, eps, c, s,
                                    WIDTH, HD, rows_layout)
-        tma.store_wait(pendings=0)
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(ready.index(i))
+        _end_program(ready, STAGES)
 
 
 def supported(x: torch.Tensor, w: torch.Tensor, heads: int) -> bool:

@@ -141,6 +141,18 @@ if gluon is not None:
         p_m, p_n = _tile_offsets(STAGES - 2, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS, GROUP)
         return a_bufs, b_bufs, ready, first, programs, tiles_m, tiles_n, my_tiles, total, p_m, p_n
 
+    @gluon.constexpr_function
+    def _accumulator_layout(BN, num_warps):
+        """The accumulator's registers: one warpgroup instruction per 16 rows a warp, the whole tile's width."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16])
+
+    @gluon.jit
+    def _end_program(ready, STAGES: gl.constexpr):
+        """A program's last stores waited for and its operand barriers retired."""
+        tma.store_wait(pendings=0)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
+
     @gluon.jit
     def _mlp_kernel(a_desc, b_desc, post_desc, c_desc, M, N, K_STEPS: gl.constexpr, B_IS_KN: gl.constexpr,
                     EPILOGUE: gl.constexpr, POST_STEP: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
@@ -148,9 +160,7 @@ if gluon is not None:
         BM: gl.constexpr = c_desc.block_type.shape[0]
         BN: gl.constexpr = c_desc.block_type.shape[1]
         dtype: gl.constexpr = a_desc.dtype
-        # one warpgroup instruction per 16 rows a warp, the whole tile's width
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                             instr_shape=[16, BN, 16])
+        acc_layout: gl.constexpr = _accumulator_layout(BN, num_warps)
         tile_buf = gl.allocate_shared_memory(dtype, [BM, BN], c_desc.layout)  # the post tile in, the result out
         if SEPARATE_POST:  # the post tile in a buffer of its own, requested before the result's store has drained
             post_buf = gl.allocate_shared_memory(dtype, [BM, BN], c_desc.layout)
@@ -183,9 +193,7 @@ if gluon is not None:
             tile_buf.store(out.to(dtype))
             fence_async_shared()
             _tma_store(c_desc, [off_m, off_n], tile_buf)
-        tma.store_wait(pendings=0)
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(ready.index(i))
+        _end_program(ready, STAGES)
         mbarrier.invalidate(post_ready)
 
 
@@ -237,8 +245,7 @@ if gluon is not None:
         PIECE: gl.constexpr = rows_desc.block_type.shape[0]
         PIECES: gl.constexpr = BM // PIECE
         dtype: gl.constexpr = a_desc.dtype
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                             instr_shape=[16, BN, 16])
+        acc_layout: gl.constexpr = _accumulator_layout(BN, num_warps)
         # a warp a row, 8 contiguous entries a thread
         rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BN, BN // 8], [num_warps, 1], [1, 0])
         tile_buf = gl.allocate_shared_memory(dtype, [BM, BN], c_desc.layout)
@@ -276,9 +283,7 @@ if gluon is not None:
             _derivative_piece(piece, tile_buf, rows_desc, post_rows, prev_m, prev_n, rows_layout)
             if piece + 1 < PIECES:
                 post_rows = _post_rows(post, prev_m, prev_n, piece + 1, M, N, PIECE, BN, rows_layout)
-        tma.store_wait(pendings=0)
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(ready.index(i))
+        _end_program(ready, STAGES)
 
 
 def available(t: torch.Tensor) -> bool:
