@@ -106,6 +106,7 @@ MODIFIERS = {
     "gluon_dgrad": ["model.mlp_dgrad=gluon"],  # the MLP's derivative product as the Gluon kernel (Hopper)
     "triton_dgrad": ["model.mlp_dgrad=triton"],  # ... as the Triton kernel, the default before
     "overlapped_dgrad": ["model.mlp_dgrad=gluon_overlapped"],  # ... its epilogue beside the next tile's products
+    "specialized_dgrad": ["model.mlp_dgrad=gluon_specialized"],  # ... its epilogue on warps of its own
     "fused_embed": ["model.embed=fused"],  # the lookups' backward sorted and summed by token (embedding.py)
     "fused_products": ["credit.products=fused"],  # the predictor's gate and decode as Triton kernels
     "plain_products": ["credit.products=plain"],  # ... as cuBLAS products beside the compiler's passes

@@ -61,8 +61,16 @@ def main() -> int:
     # waiting in shared memory (rounded to bf16 there) and its post rows read by plain loads a piece ahead
     for rows in (16, 32):
         groups["dgrad"].append((f"Gluon + derivative epilogue in {rows}-row pieces beside the next tile's products",
-                                lambda r=rows: hopper.relu2_dgrad(dy, w_proj, post, overlapped=True, piece_rows=r),
+                                lambda r=rows: hopper.relu2_dgrad(dy, w_proj, post, form="overlapped", piece_rows=r),
                                 want_dgrad))
+    # The epilogue on a warpgroup of its own (at 152 or 88 registers a thread), the products' warps handing it each
+    # tile through shared memory
+    for rows, warps, registers in ((16, 4, 152), (8, 4, 88)):
+        groups["dgrad"].append((f"Gluon + derivative epilogue on {warps} warps of its own ({registers} registers), "
+                                f"{rows}-row pieces",
+                                lambda r=rows, e=warps, g=registers: hopper.relu2_dgrad(
+                                    dy, w_proj, post, form="specialized", piece_rows=r, epilogue_warps=e,
+                                    epilogue_registers=g), want_dgrad))
     # The post tile in a buffer of its own, requested at the tile's first K step without waiting for the previous
     # result's store (64 KB more shared memory: 2 stages of 64-wide K steps, or 4 of 32-wide ones)
     for bk, stages in ((64, 2), (32, 4)):

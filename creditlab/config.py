@@ -58,7 +58,8 @@ class ModelConfig:
     # post tile in by TMA during the K loop (kernels/relu2_hopper.py), elsewhere the same as triton; triton:
     # the Triton kernel, whose epilogue reads the post tile after the loop (kernels/relu2_matmul.py; records from
     # before the option read triton; benchmarks/relu2_mlp.md); gluon_overlapped: the Gluon kernel with each tile's
-    # epilogue run in row pieces beside the next tile's products
+    # epilogue run in row pieces beside the next tile's products; gluon_specialized: with the epilogue on warps of
+    # its own
     mlp_dgrad: str = "gluon"
     # fused: the attention gate's thin product (gate_dim -> heads per token) as one Triton pass forward and one
     # backward computing the input gradient and the weight gradient's partial sums (attention_gate.py); plain: as
@@ -145,7 +146,7 @@ RECOMPUTE_PARTS = ("norm", "qk", "mlp")
 MLPS = ("fused", "plain")  # also the choices of model.embed, .attn_gate, credit.decode, .fit_rows and .products
 NORMS = ("plain", "keep_output")
 HEADS = ("plain", "fp8")
-MLP_DGRADS = ("triton", "gluon", "gluon_overlapped")
+MLP_DGRADS = ("triton", "gluon", "gluon_overlapped", "gluon_specialized")
 QK_KERNELS = ("triton", "gluon", "gluon_overlapped")
 QKS = ("fused", "product", "plain")
 MODEL_CHOICES = {"mlp": MLPS, "qk": QKS, "norm": NORMS, "head": HEADS, "embed": MLPS, "mlp_dgrad": MLP_DGRADS,

@@ -65,17 +65,17 @@ relu2_dgrad.register_fake(_dgrad_fake)
 
 
 @torch.library.custom_op("creditlab::relu2_dgrad_gluon", mutates_args=())
-def relu2_dgrad_gluon(dy: torch.Tensor, w: torch.Tensor, post: torch.Tensor, overlapped: bool = False) -> torch.Tensor:
-    """relu2_dgrad through the Gluon kernel where it runs (compute capability 9), else as relu2_dgrad; with
-    `overlapped`, the kernel whose epilogue runs in pieces beside the next tile's products."""
+def relu2_dgrad_gluon(dy: torch.Tensor, w: torch.Tensor, post: torch.Tensor, form: str = "whole_tile") -> torch.Tensor:
+    """relu2_dgrad through the Gluon kernel where it runs (compute capability 9), else as relu2_dgrad; `form`: the
+    kernel's (relu2_hopper.DGRAD_FORMS)."""
     if _kernel_takes(dy, w) and post.dtype == dy.dtype and relu2_hopper.available(dy) \
             and dy.shape[1] % relu2_hopper.BLOCK_K == 0:
-        return relu2_hopper.relu2_dgrad(dy, w, post, overlapped=overlapped)
+        return relu2_hopper.relu2_dgrad(dy, w, post, form=form)
     return relu2_dgrad(dy, w, post)
 
 
 @relu2_dgrad_gluon.register_fake
-def _(dy, w, post, overlapped=False):
+def _(dy, w, post, form="whole_tile"):
     return _dgrad_fake(dy, w, post)
 
 
@@ -130,7 +130,8 @@ class _ProjectReLU2(torch.autograd.Function):
 
 
 DGRADS = {"triton": relu2_dgrad, "gluon": relu2_dgrad_gluon,  # model.mlp_dgrad
-          "gluon_overlapped": functools.partial(relu2_dgrad_gluon, overlapped=True)}
+          "gluon_overlapped": functools.partial(relu2_dgrad_gluon, form="overlapped"),
+          "gluon_specialized": functools.partial(relu2_dgrad_gluon, form="specialized")}
 
 
 def expand_relu2(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

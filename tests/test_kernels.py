@@ -316,8 +316,8 @@ def _gluon_descriptor(block):
     return f"tensordesc<bf16[{', '.join(map(str, block))}],{layout!r}>"
 
 
-def _compile_gluon(kernel, signature: dict, constants: dict, warps: int):
-    """A Gluon kernel through Triton's compiler to a cubin for sm_90, on the CPU."""
+def _compile_gluon(kernel, signature: dict, constants: dict, warps: int, registers: int | None = None):
+    """A Gluon kernel through Triton's compiler to a cubin for sm_90, on the CPU (`registers`: maxnreg)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as triton_compile
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -325,7 +325,8 @@ def _compile_gluon(kernel, signature: dict, constants: dict, warps: int):
     source = GluonASTSource(fn=kernel, signature=signature | {k: "constexpr" for k in constants},
                             constexprs=constants)
     try:
-        return triton_compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        options = {"num_warps": warps} | ({"maxnreg": registers} if registers else {})
+        return triton_compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     except RuntimeError as error:  # no ptxas in this Triton install
         if "ptxas" in str(error):
             pytest.skip(str(error))
@@ -425,6 +426,30 @@ def test_the_overlapped_derivative_kernel_compiles_for_hopper_in_the_default_ker
     compiled, four = _shared_memory_at_three_and_four_stages(at)
     assert _issues_warpgroup_products_and_tma(compiled)
     assert compiled.metadata.shared <= _compile_gluon_mlp(3).metadata.shared < four, (compiled.metadata.shared, four)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rows, warps, registers", [(16, 4, 152), (8, 4, 88)])
+def test_the_specialized_derivative_kernel_compiles_for_hopper_with_its_partitions_registers(rows, warps, registers):
+    # the epilogue on warps of its own: one more barrier pair beside the default kernel's shared memory, and the
+    # register file traded between the partitions (setmaxnreg); and (the check can fail) a fourth operand stage
+    # does not fit
+    from creditlab.kernels import relu2_hopper as hopper
+
+    bm, bn, bk = hopper.BLOCK_M, hopper.BLOCK_N, hopper.BLOCK_K
+
+    def at(stages):
+        return _compile_gluon(
+            hopper._dgrad_kernel_specialized,
+            {"a_desc": _gluon_descriptor([bm, bk]), "b_desc": _gluon_descriptor([bk, bn]),
+             "c_desc": _gluon_descriptor([bm, bn]), "post": "*bf16", "M": "i32", "N": "i32"},
+            {"K_STEPS": 512 // bk, "STAGES": stages, "GROUP": hopper.GROUP_M, "PIECE": rows, "EPILOGUE_WARPS": warps,
+             "EPILOGUE_REGISTERS": registers, "num_warps": hopper.WARPS},
+            hopper.WARPS, hopper.specialized_registers(warps))
+
+    compiled, four = _shared_memory_at_three_and_four_stages(at)
+    assert _issues_warpgroup_products_and_tma(compiled) and "setmaxnreg" in compiled.asm["ptx"]
+    assert compiled.metadata.shared <= SHARED_MEMORY < four, (compiled.metadata.shared, four)
 
 
 @pytest.mark.slow

@@ -259,9 +259,9 @@ def test_no_forward_op_is_upcast_by_cuda_autocast(source):
     assert _upcast_by_cuda_autocast(lambda i: model.hidden(i, credit=credit_source.step()), idx) == []
 
 
-@pytest.mark.parametrize("gluon", ["gluon", "gluon_overlapped"])
+@pytest.mark.parametrize("gluon", ["gluon", "gluon_overlapped", "gluon_specialized"])
 def test_the_gluon_derivative_product_option_gives_the_same_gradients_in_float64(gluon):
-    # model.mlp_dgrad=gluon (or gluon_overlapped) routes the fused MLP's derivative product through its own
+    # model.mlp_dgrad=gluon (or another Gluon form) routes the fused MLP's derivative product through its own
     # operator, which off Hopper (and in float64) computes what model.mlp_dgrad=triton does: every parameter's
     # gradient equal
     idx, tgt = tokens(small_cfg(), batch=2, seed=4)
@@ -363,7 +363,7 @@ def test_the_fused_modules_operators_declare_their_outputs_truthfully():
     q, k, v, scales = qk_norm.forward_op(qkv, cos, sin, 2)
     post = relu2.relu2_linear(x, w_kn.t())
     cases = [(relu2.relu2_linear, (x, w)), (relu2.relu2_dgrad, (x, w_kn, post)),
-             (relu2.relu2_dgrad_gluon, (x, w_kn, post)), (relu2.relu2_dgrad_gluon, (x, w_kn, post, True)),
+             (relu2.relu2_dgrad_gluon, (x, w_kn, post)), (relu2.relu2_dgrad_gluon, (x, w_kn, post, "specialized")),
              (qk_norm.forward_op, (qkv, cos, sin, 2)), (qk_norm.backward_op, (q, k, v, q, k, scales, cos, sin))]
     for op, args in cases:
         result = torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
