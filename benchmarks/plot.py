@@ -367,6 +367,8 @@ ARMS_FIGURES = [
      "native with the compiler's products autotuned (train.compile_mode=autotune-gemm), one H100"),
     ("arms_overlapped_epilogues_h100_seed.json", "arms_overlapped_epilogues_h100_seed.png",
      "native with the Q/K/V or the derivative product's epilogue beside the next tile's products, one H100"),
+    ("arms_specialized_dgrad_h100_seed.json", "arms_specialized_dgrad_h100_seed.png",
+     "native with the derivative product's epilogue on a warpgroup of its own, one H100"),
 ]
 
 
@@ -486,6 +488,8 @@ QKV_OVERLAPPED_PATHS = (QKV_PATHS[0], "the Q/K/V product with QK-norm and rotary
 DGRAD_OVERLAPPED_PATHS = (TWO_PROGRAMS_PATHS[0], "the fused MLP's products: the derivative product's epilogue in row "
                           "pieces beside the next tile's products,\nbeside every tiling; 131,072 x 512 -> 2,048, "
                           "bf16, one H100")
+DGRAD_SPECIALIZED_PATHS = (TWO_PROGRAMS_PATHS[0], "the fused MLP's products: the derivative product's epilogue on a "
+                           "warpgroup of its own,\nbeside every tiling; 131,072 x 512 -> 2,048, bf16, one H100")
 ATTENTION_PATHS = ("time over cuDNN's same pass, per round (median, range of 10 alternated rounds)",
                    "causal attention in each kernel PyTorch offers, forward and forward + backward\n"
                    "64 x 2,048 tokens, 4 heads of 128, bf16, one H100")
@@ -683,6 +687,8 @@ def main() -> None:
                            "qkv_rotary_overlapped_h100_seed.png", QKV_OVERLAPPED_PATHS))
     print(plot_path_ratios([results / "relu2_hopper_overlapped_h100_seed.json"], out,
                            "relu2_hopper_overlapped_h100_seed.png", DGRAD_OVERLAPPED_PATHS))
+    print(plot_path_ratios([results / "relu2_hopper_specialized_h100_seed.json"], out,
+                           "relu2_hopper_specialized_h100_seed.png", DGRAD_SPECIALIZED_PATHS))
     print(plot_gate_decode(results / "gate_decode_first_seed.json", out, "gate_decode_first_seed.png"))
     print(plot_gate_decode(results / "gate_decode_seed.json", out, "gate_decode_seed.png"))
     print(plot_kernel_bandwidth(results / "kernel_bandwidth_seed.json", out, "kernel_bandwidth_seed.png"))
