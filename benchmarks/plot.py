@@ -477,19 +477,26 @@ TWO_PROGRAMS_PATHS = ("time over the first path of the same product, per round (
                       "multiprocessor,\nagainst the default tiling; 131,072 x 512 -> 2,048, bf16, one H100")
 QKV_TWO_PROGRAMS_PATHS = (QKV_PATHS[0], "the Q/K/V product with QK-norm and rotary, with one warpgroup a program, two "
                           "programs a multiprocessor\n131,072 x 512 -> 3 x 512, 4 heads of 128, bf16, one H100")
-QKV_EPILOGUE_PATHS = (QKV_PATHS[0], "the Q/K/V product with QK-norm and rotary: the epilogue's forms (tiles of v as "
-                      "made, the rotary tables early)\nbeside every tiling; 131,072 x 512 -> 3 x 512, 4 heads of "
-                      "128, bf16, one H100")
-POST_APART_PATHS = (TWO_PROGRAMS_PATHS[0], "the fused MLP's products: the derivative product's post tile in a buffer "
-                    "of its own, beside every tiling\n131,072 x 512 -> 2,048, bf16, one H100")
-QKV_OVERLAPPED_PATHS = (QKV_PATHS[0], "the Q/K/V product with QK-norm and rotary: the epilogue in 32-row pieces "
-                        "beside the next tile's products,\nbeside every form and tiling; 131,072 x 512 -> 3 x 512, 4 "
-                        "heads of 128, bf16, one H100")
-DGRAD_OVERLAPPED_PATHS = (TWO_PROGRAMS_PATHS[0], "the fused MLP's products: the derivative product's epilogue in row "
-                          "pieces beside the next tile's products,\nbeside every tiling; 131,072 x 512 -> 2,048, "
-                          "bf16, one H100")
-DGRAD_SPECIALIZED_PATHS = (TWO_PROGRAMS_PATHS[0], "the fused MLP's products: the derivative product's epilogue on a "
-                           "warpgroup of its own,\nbeside every tiling; 131,072 x 512 -> 2,048, bf16, one H100")
+
+
+def _mlp_h100_labels(what: str) -> tuple[str, str]:
+    """plot_path_ratios' labels for a try at the fused MLP's products, measured on an H100."""
+    return (TWO_PROGRAMS_PATHS[0], f"the fused MLP's products: {what},\nbeside every tiling; 131,072 x 512 -> 2,048, "
+            "bf16, one H100")
+
+
+def _qkv_h100_labels(what: str) -> tuple[str, str]:
+    """plot_path_ratios' labels for a try at the Q/K/V product's epilogue, measured on an H100."""
+    return (QKV_PATHS[0], f"the Q/K/V product with QK-norm and rotary: {what}\nbeside every tiling; 131,072 x 512 -> "
+            "3 x 512, 4 heads of 128, bf16, one H100")
+
+
+QKV_EPILOGUE_PATHS = _qkv_h100_labels("the epilogue's forms (tiles of v as made, the rotary tables early)")
+POST_APART_PATHS = _mlp_h100_labels("the derivative product's post tile in a buffer of its own")
+QKV_OVERLAPPED_PATHS = _qkv_h100_labels("the epilogue in 32-row pieces beside the next tile's products,")
+DGRAD_OVERLAPPED_PATHS = _mlp_h100_labels("the derivative product's epilogue in row pieces beside the next tile's "
+                                          "products")
+DGRAD_SPECIALIZED_PATHS = _mlp_h100_labels("the derivative product's epilogue on a warpgroup of its own")
 ATTENTION_PATHS = ("time over cuDNN's same pass, per round (median, range of 10 alternated rounds)",
                    "causal attention in each kernel PyTorch offers, forward and forward + backward\n"
                    "64 x 2,048 tokens, 4 heads of 128, bf16, one H100")
