@@ -369,6 +369,8 @@ ARMS_FIGURES = [
      "native with the Q/K/V or the derivative product's epilogue beside the next tile's products, one H100"),
     ("arms_specialized_dgrad_h100_seed.json", "arms_specialized_dgrad_h100_seed.png",
      "native with the derivative product's epilogue on a warpgroup of its own, one H100"),
+    ("arms_final_h200_seed.json", "arms_final_h200_seed.png",
+     "credit arms on the final tree (the step of 6fae155), one H200"),
 ]
 
 
