@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from creditlab import kernels
-from creditlab.kernels import relu2_hopper, relu2_matmul
+from creditlab.kernels import relu2_dgrad_apart, relu2_hopper, relu2_matmul
 
 
 def _kernel_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -66,11 +66,13 @@ relu2_dgrad.register_fake(_dgrad_fake)
 
 @torch.library.custom_op("creditlab::relu2_dgrad_gluon", mutates_args=())
 def relu2_dgrad_gluon(dy: torch.Tensor, w: torch.Tensor, post: torch.Tensor, form: str = "whole_tile") -> torch.Tensor:
-    """relu2_dgrad through the Gluon kernel where it runs (compute capability 9), else as relu2_dgrad; `form`: the
-    kernel's (relu2_hopper.DGRAD_FORMS)."""
+    """relu2_dgrad through the Gluon kernel where it runs (compute capability 9), else as relu2_dgrad; `form`:
+    whole_tile, relu2_hopper's kernel, or one of relu2_dgrad_apart.FORMS."""
     if _kernel_takes(dy, w) and post.dtype == dy.dtype and relu2_hopper.available(dy) \
             and dy.shape[1] % relu2_hopper.BLOCK_K == 0:
-        return relu2_hopper.relu2_dgrad(dy, w, post, form=form)
+        if form == "whole_tile":
+            return relu2_hopper.relu2_dgrad(dy, w, post)
+        return relu2_dgrad_apart.relu2_dgrad(dy, w, post, form)
     return relu2_dgrad(dy, w, post)
 
 

@@ -410,13 +410,14 @@ def test_the_overlapped_derivative_kernel_compiles_for_hopper_in_the_default_ker
     # each tile's epilogue in 16-row pieces beside the next tile's products: its post rows come by plain loads,
     # so it needs no more shared memory than the default kernel, and (the check can fail) a fourth stage of
     # operands does not fit beside its tile buffer either
+    from creditlab.kernels import relu2_dgrad_apart as apart
     from creditlab.kernels import relu2_hopper as hopper
 
     bm, bn, bk = hopper.BLOCK_M, hopper.BLOCK_N, hopper.BLOCK_K
 
     def at(stages):
         return _compile_gluon(
-            hopper._dgrad_kernel_overlapped,
+            apart._dgrad_kernel_overlapped,
             {"a_desc": _gluon_descriptor([bm, bk]), "b_desc": _gluon_descriptor([bk, bn]),
              "c_desc": _gluon_descriptor([bm, bn]), "rows_desc": _gluon_descriptor([16, bn]), "post": "*bf16",
              "M": "i32", "N": "i32"},
@@ -434,18 +435,19 @@ def test_the_specialized_derivative_kernel_compiles_for_hopper_with_its_partitio
     # the epilogue on warps of its own: one more barrier pair beside the default kernel's shared memory, and the
     # register file traded between the partitions (setmaxnreg); and (the check can fail) a fourth operand stage
     # does not fit
+    from creditlab.kernels import relu2_dgrad_apart as apart
     from creditlab.kernels import relu2_hopper as hopper
 
     bm, bn, bk = hopper.BLOCK_M, hopper.BLOCK_N, hopper.BLOCK_K
 
     def at(stages):
         return _compile_gluon(
-            hopper._dgrad_kernel_specialized,
+            apart._dgrad_kernel_specialized,
             {"a_desc": _gluon_descriptor([bm, bk]), "b_desc": _gluon_descriptor([bk, bn]),
              "c_desc": _gluon_descriptor([bm, bn]), "post": "*bf16", "M": "i32", "N": "i32"},
             {"K_STEPS": 512 // bk, "STAGES": stages, "GROUP": hopper.GROUP_M, "PIECE": rows, "EPILOGUE_WARPS": warps,
              "EPILOGUE_REGISTERS": registers, "num_warps": hopper.WARPS},
-            hopper.WARPS, hopper.specialized_registers(warps))
+            hopper.WARPS, apart.specialized_registers(warps))
 
     compiled, four = _shared_memory_at_three_and_four_stages(at)
     assert _issues_warpgroup_products_and_tma(compiled) and "setmaxnreg" in compiled.asm["ptx"]
