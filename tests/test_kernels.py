@@ -405,6 +405,18 @@ def test_the_derivative_kernel_with_its_post_tile_apart_fits_hopper_at_two_stage
     assert _compile_gluon_mlp(3, separate_post=True).metadata.shared > SHARED_MEMORY
 
 
+def test_the_apart_derivative_forms_name_what_is_wrong_before_any_launch():
+    from creditlab.kernels import relu2_dgrad_apart as apart
+
+    dy, w, post = torch.zeros(128, 64), torch.zeros(64, 256), torch.zeros(128, 256)
+    with pytest.raises(ValueError, match="no derivative form 'whole_tile'"):
+        apart.relu2_dgrad(dy, w, post, "whole_tile")  # the default kernel is relu2_hopper's
+    with pytest.raises(ValueError, match="shapes differ"):
+        apart.relu2_dgrad(dy, w, post[:, :128], "overlapped")
+    with pytest.raises(ValueError, match="whole number of pieces"):
+        apart.relu2_dgrad(dy, w, post, "specialized", piece_rows=48)
+
+
 @pytest.mark.slow
 def test_the_overlapped_derivative_kernel_compiles_for_hopper_in_the_default_kernels_shared_memory():
     # each tile's epilogue in 16-row pieces beside the next tile's products: its post rows come by plain loads,
