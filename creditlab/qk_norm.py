@@ -136,7 +136,7 @@ def product_forward_op(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin:
     B, T, d = x.shape
     rows = x.reshape(B * T, d)
     hd = w.shape[0] // 3 // heads
-    if kernel in ("gluon", "gluon_overlapped") and qkv_hopper.supported(rows, w, heads):
+    if kernel in GLUON_FORMS and qkv_hopper.supported(rows, w, heads):
         qkv, scales = qkv_hopper.qkv_norm_rotary(rows, w, cos, sin, heads, T, EPS, **GLUON_FORMS[kernel])
         return qkv.view(3, B, T, heads, hd), scales.view(B, T, 2, heads)
     if kernels.available(x) and qkv_rotary.supported(rows, w, heads):

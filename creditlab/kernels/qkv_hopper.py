@@ -30,10 +30,15 @@ EPILOGUE = EPILOGUE_V_AS_IS
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma, warpgroup_mma_wait
 
     from creditlab.kernels.relu2_hopper import (_accumulator_layout, _barrier, _end_program, _k_step, _start_loads,
                                                 _tile_offsets, _tile_products, _tma_store)
+
+    @gluon.constexpr_function
+    def _half_head_rows(HALF, num_warps):
+        """The epilogue's register layout: a half head a thread row of 8 columns (16-byte shared-memory reads)."""
+        return gl.BlockedLayout([1, 8], [32 * 8 // HALF, HALF // 8], [num_warps, 1], [1, 0])
 
     @gluon.jit
     def _rows(off_m, M, part, BM: gl.constexpr, rows_layout: gl.constexpr):
@@ -94,8 +99,7 @@ if gluon is not None:
         HALF: gl.constexpr = HD // 2
         dtype: gl.constexpr = a_desc.dtype
         acc_layout: gl.constexpr = _accumulator_layout(BN, num_warps)
-        # a half head a thread row of 8 columns: 16-byte shared-memory reads
-        rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HALF, HALF // 8], [num_warps, 1], [1, 0])
+        rows_layout: gl.constexpr = _half_head_rows(HALF, num_warps)
         tile_buf = gl.allocate_shared_memory(dtype, [BM, BN], out_desc.layout)
         a_bufs, b_bufs, ready, first, programs, tiles_m, tiles_n, my_tiles, total, p_m, p_n = _start_loads(
             a_desc, b_desc, tile_buf, M, 3 * WIDTH, K_STEPS, False, STAGES, GROUP)
@@ -197,7 +201,7 @@ if gluon is not None:
         PIECES: gl.constexpr = (BM // PIECE_ROWS) * (BN // HD)
         dtype: gl.constexpr = a_desc.dtype
         acc_layout: gl.constexpr = _accumulator_layout(BN, num_warps)
-        rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HALF, HALF // 8], [num_warps, 1], [1, 0])
+        rows_layout: gl.constexpr = _half_head_rows(HALF, num_warps)
         tile_buf = gl.allocate_shared_memory(dtype, [BM, BN], out_desc.layout)
         a_bufs, b_bufs, ready, first, programs, tiles_m, tiles_n, my_tiles, total, p_m, p_n = _start_loads(
             a_desc, b_desc, tile_buf, M, 3 * WIDTH, K_STEPS, False, STAGES, GROUP)
