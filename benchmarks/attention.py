@@ -2,9 +2,13 @@
 cuDNN, FlashAttention-2 and memory-efficient backends, and FlexAttention compiled with a causal block mask.
 
     python benchmarks/attention.py --out DIR [--batch 64] [--seq 2048] [--heads 4] [--head-dim 128]
+        [--backends cudnn,flash,efficient,flex,cudnn@model,cudnn@heads_first]
 
 The inputs are laid out as the model lays them out: (batch, sequence, heads, head dim), transposed to SDPA's
-order without a copy, scale 0.12, bf16. Each path is first checked on the first two sequences against float64
+order without a copy, scale 0.12, bf16; the output's gradient contiguous in SDPA's order. A backend named
+`KERNEL@LAYOUT` takes other layouts: `model`, the output's gradient too as the model hands it over (transposed
+from (batch, sequence, heads, head dim)); `heads_first`, all four contiguous in SDPA's order (batch, heads,
+sequence, head dim), which the Q/K/V product could write directly. Each path is first checked on the first two sequences against float64
 (output and the three input gradients), then all are timed in alternated rounds on the whole micro-batch.
 TFLOP/s count a causal forward as 2 B H T^2 D (half of the two products) and the backward as 2.5 times that, as
 FlashAttention's papers count them. A path that fails is reported, not fatal. Writes DIR/attention.json and
@@ -30,6 +34,7 @@ from creditlab.runtime import largest_relative_error, write_benchmark  # noqa: E
 
 SCALE = 0.12  # the model's attention scale
 BACKENDS = ("cudnn", "flash", "efficient", "flex")
+LAYOUTS = ("benchmark", "model", "heads_first")  # where q, k, v and the output's gradient lie (`inputs`)
 
 
 def attention_fn(backend: str, seq: int, device: str):
@@ -52,12 +57,25 @@ def attention_fn(backend: str, seq: int, device: str):
     return attend
 
 
-def inputs(batch: int, seq: int, heads: int, head_dim: int, device: str, dtype=torch.bfloat16, seed: int = 0):
-    """q, k, v (as the model transposes them, no copy) and the output's gradient, from one seed."""
+def inputs(batch: int, seq: int, heads: int, head_dim: int, device: str, dtype=torch.bfloat16, seed: int = 0,
+           layout: str = "benchmark"):
+    """q, k, v and the output's gradient in SDPA's (batch, heads, sequence, head dim) order, from one seed, the same
+    values in every layout. benchmark: q, k, v transposed from the model's (batch, sequence, heads, head dim)
+    without a copy, the gradient contiguous; model: all four transposed; heads_first: all four contiguous."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
     g = torch.Generator(device="cpu").manual_seed(seed)
     q, k, v, dout = (torch.randn(batch, seq, heads, head_dim, generator=g).to(device, dtype).transpose(1, 2)
                      for _ in range(4))
-    return q, k, v, dout.contiguous()
+    if layout == "heads_first":
+        return q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
+    return q, k, v, dout if layout == "model" else dout.contiguous()
+
+
+def kernel_and_layout(backend: str) -> tuple[str, str]:
+    """`cudnn@heads_first` -> ("cudnn", "heads_first"); a bare kernel takes the benchmark's layout."""
+    kernel, _, layout = backend.partition("@")
+    return kernel, layout or "benchmark"
 
 
 def forward_and_backward(attend, q, k, v, dout):
@@ -91,13 +109,14 @@ def main() -> int:
     if problem is None:
         return 2
     args, out, B, T, H, D, _ = problem
-    q, k, v, dout = inputs(B, T, H, D, "cuda")
-    small = [t[:2] for t in (q, k, v, dout)]
-    trained = [t.detach().requires_grad_() for t in (q, k, v)]
     runs, errors, failures = {}, {}, {}
     for backend in args.backends.split(","):
         try:
-            attend = attention_fn(backend, T, "cuda")
+            kernel, layout = kernel_and_layout(backend)
+            q, k, v, dout = inputs(B, T, H, D, "cuda", layout=layout)
+            small = [t[:2] for t in (q, k, v, dout)]
+            trained = [t.detach().requires_grad_() for t in (q, k, v)]
+            attend = attention_fn(kernel, T, "cuda")
             errors[backend] = check(attend, *small)
             torch.cuda.synchronize()
         except Exception as error:  # noqa: BLE001 - a kernel this machine lacks is a row of the table
@@ -105,8 +124,8 @@ def main() -> int:
             print(f"{backend}: failed\n{failures[backend]}", flush=True)
             continue
         # the forward as training runs it: inputs that ask for gradients, so it keeps what its backward reads
-        runs[f"{backend}: forward"] = lambda a=attend: a(*trained)
-        runs[f"{backend}: forward + backward"] = lambda a=attend: forward_and_backward(a, q, k, v, dout)
+        runs[f"{backend}: forward"] = lambda a=attend, t=trained: a(*t)
+        runs[f"{backend}: forward + backward"] = lambda a=attend, x=(q, k, v, dout): forward_and_backward(a, *x)
     times = alternated_rounds(runs) if runs else {}
     work = flops(B, T, H, D)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,

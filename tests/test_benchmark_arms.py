@@ -505,3 +505,20 @@ def test_the_attention_benchmark_checks_each_kernel_against_float64_and_can_fail
     assert min(attention.check(leaky, *small)) > 1e-2
     work = attention.flops(64, 2048, 4, 128)
     assert work["forward"] == 2 * 64 * 4 * 2048 ** 2 * 128 and work["forward + backward"] == 3.5 * work["forward"]
+
+
+def test_the_attention_benchmark_lays_the_same_values_out_three_ways():
+    attention = load("attention")
+    laid = {layout: attention.inputs(2, 16, 2, 8, "cpu", torch.float32, layout=layout)
+            for layout in attention.LAYOUTS}
+    for layout, tensors in laid.items():
+        for got, want in zip(tensors, laid["benchmark"], strict=True):
+            assert torch.equal(got, want), layout
+    # which of q, k, v and the output's gradient are contiguous in SDPA's order, layout by layout
+    contiguous = {layout: [t.is_contiguous() for t in tensors] for layout, tensors in laid.items()}
+    assert contiguous == {"benchmark": [False, False, False, True], "model": [False] * 4,
+                          "heads_first": [True] * 4}
+    assert attention.kernel_and_layout("cudnn@heads_first") == ("cudnn", "heads_first")
+    assert attention.kernel_and_layout("flex") == ("flex", "benchmark")
+    with pytest.raises(ValueError, match="unknown layout 'rows'"):
+        attention.inputs(2, 16, 2, 8, "cpu", layout="rows")
