@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from creditlab.attention_gate import gate_linear
+from creditlab.causal_attention import causal_attention
 from creditlab.config import ModelConfig
 from creditlab.embedding import lookups
 from creditlab.loss import head_loss, head_loss_sum
@@ -167,8 +168,7 @@ class Attention(nn.Module):
             q, k = recomputed(self.recompute, self.plain_qk_norm_rotary, q, k)  # QK-norm, then rotary positions
         if ve is not None:
             v = self.value_mix[0] * v + self.value_mix[1] * ve.view_as(v)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True, scale=0.12)
+        y = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=0.12)
         y = y.transpose(1, 2)  # (B, T, H, hd)
         gate_input = n[..., :self.gate_dim]
         gate = gate_linear(gate_input, self.gate.weight) if self.fused_gate else self.gate(gate_input)
