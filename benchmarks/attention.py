@@ -2,17 +2,20 @@
 cuDNN, FlashAttention-2 and memory-efficient backends, and FlexAttention compiled with a causal block mask.
 
     python benchmarks/attention.py --out DIR [--batch 64] [--seq 2048] [--heads 4] [--head-dim 128]
-        [--backends cudnn,flash,efficient,flex,cudnn@model,cudnn@heads_first]
+        [--backends cudnn,flash,efficient,flex,cudnn@heads_first]
 
-The inputs are laid out as the model lays them out: (batch, sequence, heads, head dim), transposed to SDPA's
-order without a copy, scale 0.12, bf16; the output's gradient contiguous in SDPA's order. A backend named
-`KERNEL@LAYOUT` takes other layouts: `model`, the output's gradient too as the model hands it over (transposed
-from (batch, sequence, heads, head dim)); `heads_first`, all four contiguous in SDPA's order (batch, heads,
-sequence, head dim), which the Q/K/V product could write directly. Each path is first checked on the first two sequences against float64
-(output and the three input gradients), then all are timed in alternated rounds on the whole micro-batch.
-TFLOP/s count a causal forward as 2 B H T^2 D (half of the two products) and the backward as 2.5 times that, as
-FlashAttention's papers count them. A path that fails is reported, not fatal. Writes DIR/attention.json and
-DIR/attention.md; any CUDA machine.
+The inputs are laid out as the model hands them over: q, k, v in (batch, sequence, heads, head dim), transposed
+to SDPA's order without a copy, and the output's gradient laid out as the output (`creditlab/causal_attention.py`);
+scale 0.12, bf16. A backend named `KERNEL@heads_first` takes all four contiguous in SDPA's order (batch, heads,
+sequence, head dim) instead, which the Q/K/V product could write directly. Each path is first checked on the
+first two sequences against float64 (output and the three input gradients), then all are timed in alternated
+rounds on the whole micro-batch. TFLOP/s count a causal forward as 2 B H T^2 D (half of the two products) and the
+backward as 2.5 times that, as FlashAttention's papers count them. A path that fails is reported, not fatal.
+
+Then the cuDNN backward's graph cache, at shapes no row above uses: SDPA called directly with the output's
+gradient first contiguous, then laid out as the output (the second call reuses the first's graph, cached under q,
+k and v alone), and `causal_attention` with the ops after it handing over the same two layouts. Each call's
+largest gradient error against float64. Writes DIR/attention.json and DIR/attention.md; any CUDA machine.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from creditlab.runtime import largest_relative_error, write_benchmark  # noqa: E
 
 SCALE = 0.12  # the model's attention scale
 BACKENDS = ("cudnn", "flash", "efficient", "flex")
-LAYOUTS = ("benchmark", "model", "heads_first")  # where q, k, v and the output's gradient lie (`inputs`)
+LAYOUTS = ("model", "heads_first")  # where q, k, v and the output's gradient lie (`inputs`)
 
 
 def attention_fn(backend: str, seq: int, device: str):
@@ -58,10 +61,13 @@ def attention_fn(backend: str, seq: int, device: str):
 
 
 def inputs(batch: int, seq: int, heads: int, head_dim: int, device: str, dtype=torch.bfloat16, seed: int = 0,
-           layout: str = "benchmark"):
+           layout: str = "model"):
     """q, k, v and the output's gradient in SDPA's (batch, heads, sequence, head dim) order, from one seed, the same
-    values in every layout. benchmark: q, k, v transposed from the model's (batch, sequence, heads, head dim)
-    without a copy, the gradient contiguous; model: all four transposed; heads_first: all four contiguous."""
+    values in every layout. model: all four transposed from (batch, sequence, heads, head dim) without a copy (SDPA
+    lays its output out as q is); heads_first: all four contiguous.
+
+    Two layouts whose q, k, v strides agree but whose gradients' differ cannot both be timed in one process: cuDNN
+    reuses the first one's backward graph for the second (`creditlab/causal_attention.py`)."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -69,13 +75,38 @@ def inputs(batch: int, seq: int, heads: int, head_dim: int, device: str, dtype=t
                      for _ in range(4))
     if layout == "heads_first":
         return q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
-    return q, k, v, dout if layout == "model" else dout.contiguous()
+    return q, k, v, dout
 
 
 def kernel_and_layout(backend: str) -> tuple[str, str]:
-    """`cudnn@heads_first` -> ("cudnn", "heads_first"); a bare kernel takes the benchmark's layout."""
+    """`cudnn@heads_first` -> ("cudnn", "heads_first"); a bare kernel takes the model's layout."""
     kernel, _, layout = backend.partition("@")
-    return kernel, layout or "benchmark"
+    return kernel, layout or "model"
+
+
+def graph_cache_check(device: str, batch: int = 1, seq: int = 256, heads: int = 4, head_dim: int = 128,
+                      kernel: str = "cudnn") -> dict:
+    """The largest gradient error against float64 of four cuDNN backward calls in this order: SDPA called directly
+    with the output's gradient contiguous, then laid out as the output; then, at another sequence length (a graph
+    of its own), `causal_attention` handed the same two gradients. `kernel`: SDPA's backend (cudnn, math)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[kernel]
+    from creditlab.causal_attention import causal_attention
+
+    result = {}
+    for attend, name, length in ((lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                                  scale=SCALE), "sdpa", seq),
+                                 (lambda q, k, v: causal_attention(q, k, v, scale=SCALE), "causal_attention",
+                                  seq + 128)):
+        q, k, v, dout = inputs(batch, length, heads, head_dim, device)  # dout laid out as the output
+        want = reference(q, k, v, dout)
+        for laid, grad in (("contiguous", dout.contiguous()), ("as the output", dout)):
+            with sdpa_kernel(backend):
+                got = forward_and_backward(attend, q, k, v, grad)
+            result[f"{name}, gradient {laid}"] = max(largest_relative_error(a, b)
+                                                     for a, b in zip(got[1:], want[1:], strict=True))
+    return result
 
 
 def forward_and_backward(attend, q, k, v, dout):
@@ -148,6 +179,10 @@ def main() -> int:
         lines.append(f"| {name} | {r['median_ms']:.3f} | {rate:.0f} | {ratio_text(r)} | "
                      f"{error_text(errors[backend])} |")
     lines += failure_rows(failures, 5)
+    result["graph_cache"] = cache = graph_cache_check("cuda")
+    lines += ["", "cuDNN's backward graph cache (the largest gradient error against float64 of each call, in this order; "
+              "over 0.05 is a wrong gradient):", "",
+              *(f"- {name}: {error:.1e}{' (wrong)' if error > 0.05 else ''}" for name, error in cache.items())]
     write_benchmark(out, "attention", result, lines)
     return 0
 
