@@ -371,6 +371,8 @@ ARMS_FIGURES = [
      "native with the derivative product's epilogue on a warpgroup of its own, one H100"),
     ("arms_final_h200_seed.json", "arms_final_h200_seed.png",
      "credit arms on the final tree (the step of 6fae155), one H200"),
+    ("arms_kernel_table_h100_seed.json", "arms_kernel_table_h100_seed.png",
+     "credit arms on the final tree with SDPA's gradient in the output's layout, one H100 (profiled)"),
 ]
 
 
@@ -502,6 +504,8 @@ DGRAD_SPECIALIZED_PATHS = _mlp_h100_labels("the derivative product's epilogue on
 ATTENTION_PATHS = ("time over cuDNN's same pass, per round (median, range of 10 alternated rounds)",
                    "causal attention in each kernel PyTorch offers, forward and forward + backward\n"
                    "64 x 2,048 tokens, 4 heads of 128, bf16, one H100")
+ATTENTION_LAYOUT_PATHS = (ATTENTION_PATHS[0], ATTENTION_PATHS[1].replace(
+    "kernel PyTorch offers", "kernel PyTorch offers, the model's layout and heads first"))
 GATE_PATHS = ("time over cuBLAS's products of the same direction, per round (median, range of 10 alternated rounds)",
               "the attention gate's thin product (model.attn_gate=fused), forward and backward\n"
               "131,072 tokens x 12 -> 4, bf16, CUDA graphs of 20 calls, one H200")
@@ -688,6 +692,8 @@ def main() -> None:
     print(plot_path_ratios([results / "qkv_rotary_two_programs_h100_seed.json"], out,
                            "qkv_rotary_two_programs_h100_seed.png", QKV_TWO_PROGRAMS_PATHS))
     print(plot_path_ratios([results / "attention_h100_seed.json"], out, "attention_h100_seed.png", ATTENTION_PATHS))
+    print(plot_path_ratios([results / "attention_model_layout_h100_seed.json"], out,
+                           "attention_model_layout_h100_seed.png", ATTENTION_LAYOUT_PATHS))
     print(plot_path_ratios([results / "qkv_rotary_epilogue_h100_seed.json"], out, "qkv_rotary_epilogue_h100_seed.png",
                            QKV_EPILOGUE_PATHS))
     print(plot_path_ratios([results / "relu2_hopper_post_apart_h100_seed.json"], out,
@@ -716,6 +722,8 @@ def main() -> None:
                                "learned now": results / "profile_learned_product_default_second_seed.txt"},
                               out, "kernel_table_default_seed.png",
                               "seed preset, one H200: the Q/K/V epilogue and the one-pass gate by default"))
+    print(plot_kernel_classes({arm: results / f"profile_{arm}_final_h100_seed.txt" for arm in ("native", "zero", "learned")},
+                              out, "kernel_table_final_h100_seed.png", "seed preset, the final tree, one H100"))
     (out / "fit").mkdir(exist_ok=True)
     print(plot_arms(HERE / "fit" / "cost" / "arms.json", out / "fit", "cost.png",
                     "fit study: synthetic and teacher updates per family"))
