@@ -373,6 +373,8 @@ ARMS_FIGURES = [
      "credit arms on the final tree (the step of 6fae155), one H200"),
     ("arms_kernel_table_h100_seed.json", "arms_kernel_table_h100_seed.png",
      "credit arms on the final tree with SDPA's gradient in the output's layout, one H100 (profiled)"),
+    ("arms_kernel_table_h200_seed.json", "arms_kernel_table_h200_seed.png",
+     "credit arms on the final tree with SDPA's gradient in the output's layout, one H200 (profiled)"),
 ]
 
 
@@ -724,6 +726,10 @@ def main() -> None:
                               "seed preset, one H200: the Q/K/V epilogue and the one-pass gate by default"))
     print(plot_kernel_classes({arm: results / f"profile_{arm}_final_h100_seed.txt" for arm in ("native", "zero", "learned")},
                               out, "kernel_table_final_h100_seed.png", "seed preset, the final tree, one H100"))
+    print(plot_kernel_classes({"native, before the fused modules": results / "profile_native_busy_seed.txt",
+                               **{f"{arm}, final": results / f"profile_{arm}_final_h200_seed.txt"
+                                  for arm in ("native", "zero", "learned")}},
+                              out, "kernel_table_final_h200_seed.png", "seed preset, before and the final tree, one H200"))
     (out / "fit").mkdir(exist_ok=True)
     print(plot_arms(HERE / "fit" / "cost" / "arms.json", out / "fit", "cost.png",
                     "fit study: synthetic and teacher updates per family"))
