@@ -14,8 +14,8 @@ backward as 2.5 times that, as FlashAttention's papers count them. A path that f
 
 Then the cuDNN backward's graph cache, at shapes no row above uses: SDPA called directly with the output's
 gradient first contiguous, then laid out as the output (the second call reuses the first's graph, cached under q,
-k and v alone), and `causal_attention` with the ops after it handing over the same two layouts. Each call's
-largest gradient error against float64. Writes DIR/attention.json and DIR/attention.md; any CUDA machine.
+k and v alone), and `causal_attention` handed the same two gradients. Each call's largest gradient error
+against float64. Writes DIR/attention.json and DIR/attention.md; any CUDA machine.
 """
 
 from __future__ import annotations
@@ -40,6 +40,14 @@ BACKENDS = ("cudnn", "flash", "efficient", "flex")
 LAYOUTS = ("model", "heads_first")  # where q, k, v and the output's gradient lie (`inputs`)
 
 
+def sdpa_backend(kernel: str):
+    """SDPA's backend by this script's name for it (cudnn, flash, efficient, math)."""
+    from torch.nn.attention import SDPBackend
+
+    return {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[kernel]
+
+
 def attention_fn(backend: str, seq: int, device: str):
     """attend(q, k, v) in (batch, heads, sequence, head dim) order, causal, with one kernel."""
     if backend == "flex":
@@ -48,10 +56,9 @@ def attention_fn(backend: str, seq: int, device: str):
         mask = create_block_mask(lambda b, h, q, k: q >= k, None, None, seq, seq, device=device)
         compiled = torch.compile(flex_attention)
         return lambda q, k, v: compiled(q, k, v, block_mask=mask, scale=SCALE)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
-    kind = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend]
+    kind = sdpa_backend(backend)
 
     def attend(q, k, v):
         with sdpa_kernel(kind):
@@ -86,14 +93,14 @@ def kernel_and_layout(backend: str) -> tuple[str, str]:
 
 def graph_cache_check(device: str, batch: int = 1, seq: int = 256, heads: int = 4, head_dim: int = 128,
                       kernel: str = "cudnn") -> dict:
-    """The largest gradient error against float64 of four cuDNN backward calls in this order: SDPA called directly
-    with the output's gradient contiguous, then laid out as the output; then, at another sequence length (a graph
-    of its own), `causal_attention` handed the same two gradients. `kernel`: SDPA's backend (cudnn, math)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    """The largest gradient error against float64 of four backward calls of `kernel` (cudnn; math on the CPU) in
+    this order: SDPA called directly with the output's gradient contiguous, then laid out as the output; then, at
+    another sequence length (a graph of its own), `causal_attention` handed the same two gradients."""
+    from torch.nn.attention import sdpa_kernel
 
-    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[kernel]
     from creditlab.causal_attention import causal_attention
 
+    backend = sdpa_backend(kernel)
     result = {}
     for attend, name, length in ((lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                                   scale=SCALE), "sdpa", seq),
@@ -140,11 +147,13 @@ def main() -> int:
     if problem is None:
         return 2
     args, out, B, T, H, D, _ = problem
-    runs, errors, failures = {}, {}, {}
+    runs, errors, failures, laid = {}, {}, {}, {}
     for backend in args.backends.split(","):
         try:
             kernel, layout = kernel_and_layout(backend)
-            q, k, v, dout = inputs(B, T, H, D, "cuda", layout=layout)
+            if layout not in laid:  # one set of inputs per layout, shared by its kernels
+                laid[layout] = inputs(B, T, H, D, "cuda", layout=layout)
+            q, k, v, dout = laid[layout]
             small = [t[:2] for t in (q, k, v, dout)]
             trained = [t.detach().requires_grad_() for t in (q, k, v)]
             attend = attention_fn(kernel, T, "cuda")
