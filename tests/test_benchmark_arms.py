@@ -200,7 +200,7 @@ def test_paired_differences_are_taken_round_by_round():
 
 @pytest.mark.parametrize("script", ["arms", "softcap_ce", "softcap_ce_held", "qk_norm", "relu2_mlp", "fit_rows", "fit_rows_variants", "norm_decode", "fp8_head", "head_loss", "products",
                                     "embedding_grad", "batch_host", "relu2_hopper", "gate_decode", "qkv_rotary", "host_lead",
-                                    "attention_gate", "attention", "overlap", "step_gradients"])
+                                    "attention_gate", "attention", "attention_grad_layouts", "overlap", "step_gradients"])
 def test_gpu_benchmarks_refuse_a_machine_without_cuda(script, tmp_path, monkeypatch, capsys):
     """Exit 2 with one line, and no output folder made, where no CUDA GPU is visible."""
     import sys
@@ -533,3 +533,17 @@ def test_the_attention_benchmarks_cache_check_reads_four_calls_against_float64()
     assert list(cache) == ["sdpa, gradient contiguous", "sdpa, gradient as the output",
                            "causal_attention, gradient contiguous", "causal_attention, gradient as the output"]
     assert max(cache.values()) < 1e-2  # bf16 inputs against float64
+
+
+def test_the_gradient_layout_experiment_lays_the_same_values_out_each_way():
+    layouts = load("attention_grad_layouts")
+    x = torch.randn(2, 3, 5, 4)  # (batch, heads, sequence, head dim)
+    laid = {how: layouts.laid_out(x, how) for how in ("heads_first", "transposed", "packed", "contiguous", "as_output")}
+    for how, t in laid.items():
+        assert torch.equal(t, x), how
+    assert laid["heads_first"].is_contiguous() and laid["contiguous"].is_contiguous()
+    assert laid["transposed"].stride() == laid["as_output"].stride() == (60, 4, 12, 1)  # (B, T, H, D) underneath
+    assert laid["packed"].stride() == (180, 4, 36, 1)  # one of three in (B, T, 3, H, D)
+    # the error it reports is the largest of the three gradients'
+    want = [torch.ones(3), torch.ones(3), torch.ones(3)]
+    assert layouts.error([torch.ones(3), torch.full((3,), 1.5), torch.ones(3)], want) == pytest.approx(0.5)
