@@ -5,7 +5,8 @@
 # teacher in four) with a kernel profile and a breakdown of the native memory peak; the credit arms again in the
 # overlapped loop; board power and clocks sampled every 2 s; what one compiled forward keeps; each generated
 # kernel of native, zero and learned against the card's streaming rate; the head loss with its products in FP8
-# against bf16, and its chunk loop against the loop it replaced; causal attention in each kernel PyTorch offers.
+# against bf16, and its chunk loop against the loop it replaced; causal attention in each kernel PyTorch offers,
+# and cuDNN attention's gradients against float64 for each layout of the output's gradient.
 #   bash benchmarks/seed_suite.sh OUT_DIR
 set -uo pipefail
 out=${1:?output folder}
@@ -26,6 +27,7 @@ python3 "$here/gate_decode.py" --out "$out/gate_decode" 2>&1 | tail -18
 python3 "$here/qkv_rotary.py" --out "$out/qkv_rotary" 2>&1 | tail -12
 python3 "$here/attention_gate.py" --out "$out/attention_gate" 2>&1 | tail -14
 python3 "$here/attention.py" --out "$out/attention" 2>&1 | tail -12
+python3 "$here/attention_grad_layouts.py" --out "$out/attention_grad_layouts" 2>&1 | tail -8
 python3 "$here/batch_host.py" --out "$out/batch_host" 2>&1 | tail -5
 python3 "$here/host_lead.py" --out "$out/host_lead" 2>&1 | grep "^|"
 python3 "$here/overlap.py" --out "$out/overlap" 2>&1 | grep -E "^\||^Wall"
