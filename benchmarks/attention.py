@@ -111,8 +111,7 @@ def graph_cache_check(device: str, batch: int = 1, seq: int = 256, heads: int = 
         for laid, grad in (("contiguous", dout.contiguous()), ("as the output", dout)):
             with sdpa_kernel(backend):
                 got = forward_and_backward(attend, q, k, v, grad)
-            result[f"{name}, gradient {laid}"] = max(largest_relative_error(a, b)
-                                                     for a, b in zip(got[1:], want[1:], strict=True))
+            result[f"{name}, gradient {laid}"] = gradient_error(got, want)
     return result
 
 
@@ -121,6 +120,11 @@ def forward_and_backward(attend, q, k, v, dout):
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out = attend(q, k, v)
     return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+
+def gradient_error(got, want) -> float:
+    """The largest relative error of dq, dk and dv (forward_and_backward's last three) against `want`'s."""
+    return max(largest_relative_error(a, b) for a, b in zip(got[1:], want[1:], strict=True))
 
 
 def reference(q, k, v, dout):

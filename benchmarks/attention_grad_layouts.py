@@ -25,28 +25,21 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from creditlab.runtime import gpu_benchmark_folder, largest_relative_error, write_benchmark  # noqa: E402
+from attention import attention_fn, forward_and_backward, gradient_error, reference  # noqa: E402
+
+from creditlab.runtime import gpu_benchmark_folder, write_benchmark  # noqa: E402
 
 ORDERS = ("contiguous,as_output", "as_output,contiguous", "as_output,as_output")
 WRONG = 0.05
 
 
-def error(got, want) -> float:
-    """The largest of dq's, dk's and dv's relative errors."""
-    return max(largest_relative_error(a, b) for a, b in zip(got, want, strict=True))
-
-
-def gradients(q, k, v, dout, cudnn: bool):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION if cudnn else SDPBackend.MATH):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.12)
-    return torch.autograd.grad(out, (q, k, v), dout)
+def cudnn_error(q, k, v, dout, want) -> float:
+    """The largest relative error of cuDNN's dq, dk, dv against `want` (`reference`'s)."""
+    return gradient_error(forward_and_backward(attention_fn("cudnn", q.shape[2], "cuda"), q, k, v, dout), want)
 
 
 def laid_out(x: torch.Tensor, how: str) -> torch.Tensor:
@@ -66,8 +59,8 @@ def one_order(order: str) -> dict[str, float]:
     torch.manual_seed(0)
     q, k, v, g = (torch.randn(2, 2048, 4, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
                   for _ in range(4))
-    want = gradients(*(t.double() for t in (q, k, v, g)), cudnn=False)
-    return {f"{i + 1}. gradient {how}": error(gradients(q, k, v, laid_out(g, how), cudnn=True), want)
+    want = reference(q, k, v, g)
+    return {f"{i + 1}. gradient {how}": cudnn_error(q, k, v, laid_out(g, how), want)
             for i, how in enumerate(order.split(","))}
 
 
@@ -76,11 +69,11 @@ def matrix() -> list[dict]:
     for B, T in ((2, 2048), (2, 256), (8, 1024)):
         torch.manual_seed(0)
         values = [torch.randn(B, 4, T, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-        want = gradients(*(t.double() for t in values), cudnn=False)
+        want = reference(*values)
         for qkv, grad in itertools.product(("heads_first", "transposed", "packed"), ("contiguous", "as_output")):
             q, k, v = (laid_out(t, qkv) for t in values[:3])
             rows.append({"shape": f"{B} x {T}", "qkv": qkv, "q_strides": list(q.stride()), "gradient": grad,
-                         "error": error(gradients(q, k, v, laid_out(values[3], grad), cudnn=True), want)})
+                         "error": cudnn_error(q, k, v, laid_out(values[3], grad), want)})
     return rows
 
 

@@ -544,6 +544,7 @@ def test_the_gradient_layout_experiment_lays_the_same_values_out_each_way():
     assert laid["heads_first"].is_contiguous() and laid["contiguous"].is_contiguous()
     assert laid["transposed"].stride() == laid["as_output"].stride() == (60, 4, 12, 1)  # (B, T, H, D) underneath
     assert laid["packed"].stride() == (180, 4, 36, 1)  # one of three in (B, T, 3, H, D)
-    # the error it reports is the largest of the three gradients'
-    want = [torch.ones(3), torch.ones(3), torch.ones(3)]
-    assert layouts.error([torch.ones(3), torch.full((3,), 1.5), torch.ones(3)], want) == pytest.approx(0.5)
+    # the error it reports is the largest of the three gradients', the output's left out
+    want = [torch.ones(3)] * 4
+    got = [torch.full((3,), 9.0), torch.ones(3), torch.full((3,), 1.5), torch.ones(3)]
+    assert layouts.gradient_error(got, want) == pytest.approx(0.5)
