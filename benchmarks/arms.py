@@ -107,6 +107,7 @@ MODIFIERS = {
     "triton_dgrad": ["model.mlp_dgrad=triton"],  # ... as the Triton kernel, the default before
     "overlapped_dgrad": ["model.mlp_dgrad=gluon_overlapped"],  # ... its epilogue beside the next tile's products
     "specialized_dgrad": ["model.mlp_dgrad=gluon_specialized"],  # ... its epilogue on warps of its own
+    "gluon_expand": ["model.mlp_expand=gluon"],  # the MLP's expansion as the Gluon kernel (Hopper)
     "fused_embed": ["model.embed=fused"],  # the lookups' backward sorted and summed by token (embedding.py)
     "fused_products": ["credit.products=fused"],  # the predictor's gate and decode as Triton kernels
     "plain_products": ["credit.products=plain"],  # ... as cuBLAS products beside the compiler's passes
@@ -288,9 +289,9 @@ def _product_flop(op: str, dims: list) -> float | None:
         elif op == "aten::bmm":
             (b, m, k), (_, _, n) = shapes[0], shapes[1]
             return 2.0 * b * m * k * n
-        elif op == "creditlab::relu2_linear":  # x (M, K), w (N, K)
+        elif op in ("creditlab::relu2_linear", "creditlab::relu2_linear_gluon"):  # x (M, K), w (N, K)
             (m, k), (n, _) = shapes[0], shapes[1]
-        elif op == "creditlab::relu2_dgrad":  # dy (M, K), w (K, N)
+        elif op in ("creditlab::relu2_dgrad", "creditlab::relu2_dgrad_gluon"):  # dy (M, K), w (K, N)
             (m, k), (_, n) = shapes[0], shapes[1]
         else:
             return None
@@ -300,7 +301,7 @@ def _product_flop(op: str, dims: list) -> float | None:
 
 
 PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_mm", "creditlab::relu2_linear",
-               "creditlab::relu2_dgrad")
+               "creditlab::relu2_linear_gluon", "creditlab::relu2_dgrad", "creditlab::relu2_dgrad_gluon")
 
 
 def product_shapes(trace: dict, updates: int) -> str:

@@ -61,6 +61,10 @@ class ModelConfig:
     # epilogue run in row pieces beside the next tile's products; gluon_specialized: with the epilogue on warps of
     # its own
     mlp_dgrad: str = "gluon"
+    # The fused MLP's expansion on CUDA: triton, the Triton kernel with ReLU^2 in its epilogue
+    # (kernels/relu2_matmul.py); gluon, on compute capability 9 the Gluon kernel of the derivative product with the
+    # same epilogue (kernels/relu2_hopper.py), elsewhere the same as triton (benchmarks/relu2_mlp.md)
+    mlp_expand: str = "triton"
     # fused: the attention gate's thin product (gate_dim -> heads per token) as one Triton pass forward and one
     # backward computing the input gradient and the weight gradient's partial sums (attention_gate.py); plain: as
     # F.linear, three cuBLAS products (records from before the option read plain; benchmarks/native_seed.md)
@@ -147,10 +151,11 @@ MLPS = ("fused", "plain")  # also the choices of model.embed, .attn_gate, credit
 NORMS = ("plain", "keep_output")
 HEADS = ("plain", "fp8")
 MLP_DGRADS = ("triton", "gluon", "gluon_overlapped", "gluon_specialized")
+MLP_EXPANDS = ("triton", "gluon")
 QK_KERNELS = ("triton", "gluon", "gluon_overlapped")
 QKS = ("fused", "product", "plain")
 MODEL_CHOICES = {"mlp": MLPS, "qk": QKS, "norm": NORMS, "head": HEADS, "embed": MLPS, "mlp_dgrad": MLP_DGRADS,
-                 "attn_gate": MLPS, "qk_kernel": QK_KERNELS}
+                 "mlp_expand": MLP_EXPANDS, "attn_gate": MLPS, "qk_kernel": QK_KERNELS}
 # (key, values, recompute part, what it keeps): with model.<key> one of <values> that part has nothing to recompute
 LEAN_MODULES = (("mlp", ("fused",), "mlp", "the fused MLP keeps only ReLU^2's output"),
                 ("qk", ("fused", "product"), "qk", "the fused QK-norm keeps only what attention keeps"),

@@ -26,7 +26,7 @@ from creditlab.config import ModelConfig
 from creditlab.embedding import lookups
 from creditlab.loss import head_loss, head_loss_sum
 from creditlab.qk_norm import QKEpilogue, qk_norm_rotary
-from creditlab.relu2 import expand_relu2, project_relu2
+from creditlab.relu2 import ReLU2, project_relu2
 from creditlab.runtime import cast
 
 
@@ -91,19 +91,17 @@ class ExactCredit:
     def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
         return n
 
-    def product(self, index: int, n: torch.Tensor, weight: torch.Tensor, activation: str | QKEpilogue | None = None):
-        """Branch `index`'s product n W^T, whose input gradient the synthetic backward omits. With
-        activation="relu2" (the fused MLP) it returns relu(n W^T)^2 and takes the gradient of n W^T back
-        (relu2.py): a source that replaces the product's backward sees the same gradient either way. With a
-        QKEpilogue (model.qk=product) it returns attention's (q, k, v), normalized and rotated in the product's
-        epilogue; a source that forms the product itself applies `activation.after` to it."""
+    def product(self, index: int, n: torch.Tensor, weight: torch.Tensor, activation: ReLU2 | QKEpilogue | None = None):
+        """Branch `index`'s product n W^T, whose input gradient the synthetic backward omits. With a ReLU2 (the
+        fused MLP) it returns relu(n W^T)^2 and takes the gradient of n W^T back (relu2.py): a source that replaces
+        the product's backward sees the same gradient either way. With a QKEpilogue (model.qk=product) it returns
+        attention's (q, k, v), normalized and rotated in the product's epilogue; a source that forms the product
+        itself applies `activation.after` to it."""
         if activation is None:
             return F.linear(n, weight)
-        if isinstance(activation, QKEpilogue):
-            return activation.product(n, weight)
-        if activation != "relu2":
+        if not isinstance(activation, (ReLU2, QKEpilogue)):
             raise ValueError(f"unknown activation {activation!r}")
-        return expand_relu2(n, weight)
+        return activation.product(n, weight)
 
     def terminal(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -183,13 +181,13 @@ class MLP(nn.Module):
         self.proj = nn.Linear(cfg.mlp_hidden, cfg.width, bias=False)
         self.recompute = "mlp" in cfg.recompute_parts
         # fused: ReLU^2 in the epilogues of the products on either side of it, only its output kept (relu2.py)
-        self.activation = "relu2" if cfg.mlp == "fused" else None
+        self.activation = ReLU2(cfg.mlp_expand) if cfg.mlp == "fused" else None
         self.dgrad = cfg.mlp_dgrad
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h: the credit context's product with W_fc (the omitted product): relu(n W_fc^T)^2 when fused, else
         n W_fc^T."""
-        if self.activation == "relu2":
+        if isinstance(self.activation, ReLU2):
             return project_relu2(h, self.proj.weight, self.dgrad)
         return self.proj(recomputed(self.recompute, relu_squared, h))
 

@@ -15,13 +15,15 @@ expansion's input-gradient product (credit/sketch.py) keeps receiving dL/dh as b
 `jvp` would break the compiled graph at every MLP): FDFA's forward-mode pass runs the plain MLP
 (credit/fdfa.py), which computes the same function.
 
-On CUDA, in bf16/fp16, the products run as one Triton kernel each (kernels/relu2_matmul.py; the derivative
-product, with model.mlp_dgrad=gluon on Hopper, as the Gluon kernel of kernels/relu2_hopper.py); elsewhere
-(the CPU, float64 checks) as the torch arithmetic of the same formulas, so the convention is checked in float64.
+On CUDA, in bf16/fp16, the products run as one Triton kernel each (kernels/relu2_matmul.py; on Hopper the
+derivative product with model.mlp_dgrad=gluon, and the expansion with model.mlp_expand=gluon, as the Gluon kernel of
+kernels/relu2_hopper.py); elsewhere (the CPU, float64 checks) as the torch arithmetic of the same formulas, so the
+convention is checked in float64.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -44,9 +46,26 @@ def relu2_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return r * r
 
 
-@relu2_linear.register_fake
-def _(x, w):
+def _linear_fake(x, w):
     return x.new_empty((x.shape[0], w.shape[0]))
+
+
+relu2_linear.register_fake(_linear_fake)
+
+
+def _gluon_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return _kernel_takes(a, b) and relu2_hopper.available(a) and a.shape[1] % relu2_hopper.BLOCK_K == 0
+
+
+@torch.library.custom_op("creditlab::relu2_linear_gluon", mutates_args=())
+def relu2_linear_gluon(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """relu2_linear through the Gluon kernel where it runs (compute capability 9), else as relu2_linear."""
+    if _gluon_takes(x, w):
+        return relu2_hopper.relu2_linear(x, w)
+    return relu2_linear(x, w)
+
+
+relu2_linear_gluon.register_fake(_linear_fake)
 
 
 @torch.library.custom_op("creditlab::relu2_dgrad", mutates_args=())
@@ -68,8 +87,7 @@ relu2_dgrad.register_fake(_dgrad_fake)
 def relu2_dgrad_gluon(dy: torch.Tensor, w: torch.Tensor, post: torch.Tensor, form: str = "whole_tile") -> torch.Tensor:
     """relu2_dgrad through the Gluon kernel where it runs (compute capability 9), else as relu2_dgrad; `form`:
     whole_tile, relu2_hopper's kernel, or one of relu2_dgrad_apart.FORMS."""
-    if _kernel_takes(dy, w) and post.dtype == dy.dtype and relu2_hopper.available(dy) \
-            and dy.shape[1] % relu2_hopper.BLOCK_K == 0:
+    if _gluon_takes(dy, w) and post.dtype == dy.dtype:
         if form == "whole_tile":
             return relu2_hopper.relu2_dgrad(dy, w, post)
         return relu2_dgrad_apart.relu2_dgrad(dy, w, post, form)
@@ -83,12 +101,17 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def expand_relu2_values(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+EXPANDS = {"triton": relu2_linear, "gluon": relu2_linear_gluon}  # model.mlp_expand
+
+
+def expand_relu2_values(x: torch.Tensor, w: torch.Tensor, kernel: str = "triton"
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(post, x, w) with post = relu(x w^T)^2 and x, w cast as F.linear would cast them: the forward shared by
-    every expansion that keeps the convention (this module's and the sketch's)."""
+    every expansion that keeps the convention (this module's and the sketch's), by the kernel `kernel` names
+    (model.mlp_expand)."""
     dtype = kernels.compute_dtype(x)
     x, w = x.to(dtype), w.to(dtype)
-    post = relu2_linear(_rows(x), w).view(*x.shape[:-1], w.shape[0])
+    post = EXPANDS[kernel](_rows(x), w).view(*x.shape[:-1], w.shape[0])
     return post, x, w
 
 
@@ -96,8 +119,8 @@ class _ExpandReLU2(torch.autograd.Function):
     # Both Functions keep the weight as cast for the forward (as autocast's F.linear does): the backward's products
     # read it without a cast of their own.
     @staticmethod
-    def forward(ctx, x, weight):
-        post, xc, wc = expand_relu2_values(x, weight)
+    def forward(ctx, x, weight, kernel):
+        post, xc, wc = expand_relu2_values(x, weight, kernel)
         ctx.save_for_backward(xc, wc)
         ctx.weight_dtype = weight.dtype
         return post
@@ -107,7 +130,7 @@ class _ExpandReLU2(torch.autograd.Function):
         x, w = ctx.saved_tensors
         dx = dh @ w.to(dh.dtype) if ctx.needs_input_grad[0] else None
         dw = (_rows(dh).t() @ _rows(x).to(dh.dtype)).to(ctx.weight_dtype)
-        return dx, dw
+        return dx, dw, None
 
 
 class _ProjectReLU2(torch.autograd.Function):
@@ -134,10 +157,22 @@ DGRADS = {"triton": relu2_dgrad, "gluon": relu2_dgrad_gluon,  # model.mlp_dgrad
           "gluon_specialized": functools.partial(relu2_dgrad_gluon, form="specialized")}
 
 
-def expand_relu2(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def expand_relu2(x: torch.Tensor, weight: torch.Tensor, kernel: str = "triton") -> torch.Tensor:
     """relu(x W^T)^2, whose gradient is taken as dL/dh (h = x W^T): its output may be read by `project_relu2`
-    alone."""
-    return _ExpandReLU2.apply(x, weight)
+    alone. `kernel`: model.mlp_expand."""
+    return _ExpandReLU2.apply(x, weight, kernel)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReLU2:
+    """What the fused MLP's expansion applies before its output leaves the chip: ReLU^2 (model.mlp=fused), by the
+    kernel model.mlp_expand names. The credit context's `product` takes it in place of an activation name, as it
+    takes qk_norm.QKEpilogue (model.ExactCredit.product)."""
+
+    kernel: str = "triton"
+
+    def product(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return expand_relu2(x, weight, self.kernel)
 
 
 def project_relu2(post: torch.Tensor, weight: torch.Tensor, dgrad: str = "triton") -> torch.Tensor:

@@ -157,6 +157,8 @@ def test_products_are_grouped_by_op_and_shapes_with_their_rate():
     assert text.startswith("Products: 0.0 GPU ms per update in 2 (op, shapes) groups")
     assert arms._product_flop("creditlab::relu2_dgrad", [[m, k], [k, n], [m, n]]) == flop
     assert arms._product_flop("creditlab::relu2_linear", [[m, k], [n, k]]) == flop
+    assert arms._product_flop("creditlab::relu2_dgrad_gluon", [[m, k], [k, n], [m, n]]) == flop
+    assert arms._product_flop("creditlab::relu2_linear_gluon", [[m, k], [n, k]]) == flop
     assert arms._product_flop("aten::add_", [[m, n]]) is None
 
 

@@ -16,6 +16,7 @@ from creditlab.credit.fdfa import FDFASource, directional_derivative, jacobian_s
 from creditlab.credit.sources import BranchInputCredit, InjectCredit
 from creditlab.data import SyntheticLoader
 from creditlab.model import ExactCredit
+from creditlab.relu2 import ReLU2
 from creditlab.train import Trainer
 
 # 8 layers, 16 branches, every parameter kind, recompute on, the fused modules: the pass switches them all off
@@ -47,7 +48,7 @@ def test_forward_mode_derivative_is_the_adjoint_of_the_true_corrections(qk, gate
     fused modules, the tangents from the plain ones)."""
     model = checks.randomized_model(dataclasses.replace(SMALL, qk=qk, attn_gate=gate), 0)
     flags = _recompute_flags(model)
-    assert True in flags and "relu2" in flags and ("qk", qk) in flags and ("norm", True) in flags
+    assert True in flags and ReLU2() in flags and ("qk", qk) in flags and ("norm", True) in flags
     assert ("gate", gate == "fused") in flags
     idx, _ = checks._batch(SMALL, 0)
     g = torch.Generator().manual_seed(1)

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from creditlab import config
 from creditlab.flops import flop_budget
@@ -267,6 +268,41 @@ def test_the_gluon_derivative_product_option_gives_the_same_gradients_in_float64
     idx, tgt = tokens(small_cfg(), batch=2, seed=4)
     _assert_same_float64_gradients(f"model.mlp_dgrad={gluon}", "model.mlp_dgrad=triton", idx, tgt,
                                    "blocks.0.mlp.fc.weight")
+
+
+def test_the_gluon_expansion_option_routes_through_its_operator_with_the_same_float64_gradients():
+    # model.mlp_expand=gluon routes the fused MLP's expansion through its own operator (so that on Hopper it runs
+    # the Gluon kernel), which off Hopper computes what model.mlp_expand=triton does: every parameter's gradient
+    # equal, and the operator is the one called (the triton option's is not)
+    idx, tgt = tokens(small_cfg(), batch=2, seed=4)
+    _assert_same_float64_gradients("model.mlp_expand=gluon", "model.mlp_expand=triton", idx, tgt,
+                                   "blocks.0.mlp.fc.weight")
+    for option, want, other in (("gluon", "relu2_linear_gluon", "relu2_linear"),
+                                ("triton", "relu2_linear", "relu2_linear_gluon")):
+        model = GPT(small_cfg(f"model.mlp_expand={option}"))
+        with _OpNames() as seen:
+            model(idx[:, :8], tgt[:, :8])
+        assert f"creditlab.{want}" in seen.names and f"creditlab.{other}" not in seen.names, (option, seen.names)
+
+
+class _OpNames(TorchDispatchMode):
+    """The names of the operators dispatched under it (namespace.op)."""
+
+    def __enter__(self):
+        self.names = set()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(f"{func.namespace}.{func.overloadpacket.__name__}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_record_from_before_the_gluon_expansion_reads_triton():
+    d = config.load("tiny").to_dict()
+    del d["model"]["mlp_expand"]
+    assert config.Config.from_dict(d).model.mlp_expand == "triton"
+    with pytest.raises(config.ConfigError, match="mlp_expand"):
+        config.load("tiny", ["model.mlp_expand=cuda"])
 
 
 def test_a_record_from_before_the_gluon_option_reads_triton():

@@ -28,6 +28,7 @@ from creditlab.kernels import norm_decode as norm_decode_kernel
 from creditlab.credit.sources import AdjointCredit, FittedSource, OmitCredit
 from creditlab.credit.teacher import LearnedTeacher
 from creditlab.model import ExactCredit, branch_kind, norm, norm_backward, norm_with_scale
+from creditlab.relu2 import ReLU2
 
 
 def cumsum(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
@@ -269,7 +270,7 @@ class LearnedCredit(AdjointCredit):
         return n.detach()
 
     def product(self, index: int, n: torch.Tensor, weight: torch.Tensor, activation=None):
-        if index not in self.waiting or activation == "relu2":
+        if index not in self.waiting or isinstance(activation, ReLU2):
             return super().product(index, n, weight, activation)
         y, share = self.predictor.product_with_share(index, self.waiting.pop(index), n, weight)
         self.total = share if self.total is None else self.total + share

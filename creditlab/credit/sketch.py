@@ -23,7 +23,7 @@ from creditlab.config import Config
 from creditlab.credit.sources import CreditSource
 from creditlab.model import ExactCredit, GPT
 from creditlab.qk_norm import QKEpilogue
-from creditlab.relu2 import expand_relu2_values
+from creditlab.relu2 import ReLU2, expand_relu2_values
 
 
 class _SketchedLinear(torch.autograd.Function):
@@ -34,11 +34,11 @@ class _SketchedLinear(torch.autograd.Function):
     (run by the autograd engine, possibly compiled) need not share with the forward."""
 
     @staticmethod
-    def forward(ctx, n, weight, basis, activation):
+    def forward(ctx, n, weight, basis, expand):
         ctx.save_for_backward(n, weight, basis)
-        if activation is None:
+        if expand is None:
             return F.linear(n, weight)
-        return expand_relu2_values(n, weight)[0]  # the fused MLP's convention: dy below is dL/d(n W^T)
+        return expand_relu2_values(n, weight, expand)[0]  # the fused MLP's convention: dy below is dL/d(n W^T)
 
     @staticmethod
     def backward(ctx, dy):
@@ -59,7 +59,8 @@ class SketchCredit(ExactCredit):
     def product(self, index: int, n: torch.Tensor, weight: torch.Tensor, activation=None):
         if isinstance(activation, QKEpilogue):  # the sketch needs dL/d(n W^T): the product, then the epilogue
             return activation.after(_SketchedLinear.apply(n, weight, self.basis[index], None))
-        return _SketchedLinear.apply(n, weight, self.basis[index], activation)
+        expand = activation.kernel if isinstance(activation, ReLU2) else None  # the fused MLP's expansion kernel
+        return _SketchedLinear.apply(n, weight, self.basis[index], expand)
 
 
 def leading_basis(weight: torch.Tensor, rank: int) -> torch.Tensor:
