@@ -297,20 +297,13 @@ class _OpNames(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_record_from_before_the_gluon_expansion_reads_triton():
+@pytest.mark.parametrize("key", ["mlp_dgrad", "mlp_expand"])
+def test_a_record_from_before_a_gluon_option_reads_triton(key):
     d = config.load("tiny").to_dict()
-    del d["model"]["mlp_expand"]
-    assert config.Config.from_dict(d).model.mlp_expand == "triton"
-    with pytest.raises(config.ConfigError, match="mlp_expand"):
-        config.load("tiny", ["model.mlp_expand=cuda"])
-
-
-def test_a_record_from_before_the_gluon_option_reads_triton():
-    d = config.load("tiny").to_dict()
-    del d["model"]["mlp_dgrad"]
-    assert config.Config.from_dict(d).model.mlp_dgrad == "triton"
-    with pytest.raises(config.ConfigError, match="mlp_dgrad"):
-        config.load("tiny", ["model.mlp_dgrad=cuda"])
+    del d["model"][key]
+    assert getattr(config.Config.from_dict(d).model, key) == "triton"
+    with pytest.raises(config.ConfigError, match=key):
+        config.load("tiny", [f"model.{key}=cuda"])
 
 
 def test_the_upcast_scan_flags_square():
