@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from creditlab import config
 from creditlab.flops import flop_budget
 from creditlab.model import GPT, ExactCredit, norm, relu_squared
+from dispatched import DispatchedOps
 
 SMALL = ["model.vocab_size=97", "model.width=32", "model.heads=2", "model.mlp_hidden=64", "model.seq_len=16",
          "model.gate_dim=8", "model.layers=4", "model.value_embeds=2"]
@@ -280,21 +280,9 @@ def test_the_gluon_expansion_option_routes_through_its_operator_with_the_same_fl
     for option, want, other in (("gluon", "relu2_linear_gluon", "relu2_linear"),
                                 ("triton", "relu2_linear", "relu2_linear_gluon")):
         model = GPT(small_cfg(f"model.mlp_expand={option}"))
-        with _OpNames() as seen:
+        with DispatchedOps() as ops:
             model(idx[:, :8], tgt[:, :8])
-        assert f"creditlab.{want}" in seen.names and f"creditlab.{other}" not in seen.names, (option, seen.names)
-
-
-class _OpNames(TorchDispatchMode):
-    """The names of the operators dispatched under it (namespace.op)."""
-
-    def __enter__(self):
-        self.names = set()
-        return super().__enter__()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.add(f"{func.namespace}.{func.overloadpacket.__name__}")
-        return func(*args, **(kwargs or {}))
+        assert f"creditlab.{want}.default" in ops.seen and f"creditlab.{other}.default" not in ops.seen, option
 
 
 @pytest.mark.parametrize("key", ["mlp_dgrad", "mlp_expand"])

@@ -354,16 +354,7 @@ def test_reading_an_update_queues_no_device_work():
     """A read that ran an op on the update's tensors (`.item()` of a loss on the GPU, an isfinite check) would be
     queued behind the next update, and the host would wait for that one too: an overlapped run would be settled
     in all but name. So a read runs no tensor op at all; on the CPU any op shows in the dispatcher."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.append(str(func))
-            return func(*args, **(kwargs or {}))
+    from dispatched import DispatchedOps as Ops
 
     trainer = _overlap_trainer(True)
     queued = trainer.queue_update()
