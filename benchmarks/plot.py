@@ -377,6 +377,8 @@ ARMS_FIGURES = [
      "credit arms on the final tree with SDPA's gradient in the output's layout, one H200 (profiled)"),
     ("arms_gluon_expand_h100_seed.json", "arms_gluon_expand_h100_seed.png",
      "native with the MLP's expansion as the Gluon kernel (model.mlp_expand=gluon), one H100 (profiled)"),
+    ("arms_all_options_h100_seed.json", "arms_all_options_h100_seed.png",
+     "credit arms on the final tree, with and without the FP8 head and the Gluon expansion, one H100"),
 ]
 
 
