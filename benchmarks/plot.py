@@ -379,6 +379,8 @@ ARMS_FIGURES = [
      "native with the MLP's expansion as the Gluon kernel (model.mlp_expand=gluon), one H100 (profiled)"),
     ("arms_all_options_h100_seed.json", "arms_all_options_h100_seed.png",
      "credit arms on the final tree, with and without the FP8 head and the Gluon expansion, one H100"),
+    ("arms_all_options_h100_second_seed.json", "arms_all_options_h100_second_seed.png",
+     "credit arms on the final tree, with and without the FP8 head and the Gluon expansion, a second H100"),
 ]
 
 
