@@ -10,9 +10,11 @@ derives its number of updates); it is built from the same parts as `native`, not
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from creditlab import config as config_mod
+from creditlab.credit import registry
+from creditlab.credit.schedules import plan_for
 
 
 @dataclass(frozen=True)
@@ -85,3 +87,106 @@ def arm_config(preset: str, overrides, spec: ArmSpec, seed: int, updates: int | 
     if updates is not None:
         items.append(f"train.updates={updates}")
     return config_mod.load(preset, items)
+
+
+# ---- what a comparison adds to the listed arms: fair floors and native's budgets -----------------------------
+
+@dataclass
+class Role:
+    """Why an arm is in a comparison and what it is judged against."""
+    added: str | None = None  # None: listed by the user; "floor" or "budget": added by the comparison
+    floor: str | None = None  # the label of the arm's floor (`zero` under the arm's schedule), if it has one
+    floor_note: str = ""  # why the arm has no floor, or what its floor is
+    budget: float | None = None  # a native budget: its fraction of train.updates
+    floor_of: list[str] = field(default_factory=list)  # the arms this arm is the floor of
+
+    def to_dict(self) -> dict:
+        return {"added": self.added, "floor": self.floor, "floor_note": self.floor_note, "budget": self.budget,
+                "floor_of": list(self.floor_of)}
+
+
+def _plan(cfg: config_mod.Config):
+    source = registry.source_class(cfg.credit.source)
+    return source, plan_for(cfg.credit.schedule, cfg.credit.teacher_every, source.omits, source.fits_with(cfg))
+
+
+def exact_updates(cfg: config_mod.Config) -> list[int]:
+    """The updates of a run of `cfg` that are exact (teacher or native) although its source omits products; an
+    adaptive schedule's first decision only (its later ones depend on the run)."""
+    source, plan = _plan(cfg)
+    if not source.omits:
+        return []
+    return [u for u in range(cfg.train.updates) if plan.kind(u) != "synthetic"]
+
+
+def floor_spec(spec: ArmSpec, cfg: config_mod.Config) -> tuple[str | None, str]:
+    """The label of an arm's floor and a note on it. An arm whose source omits the products is judged against
+    `zero` (nothing injected) with the same exact updates: zero under the arm's schedule where it has exact
+    updates, plain zero where it has none. The floor keeps the arm's own overrides outside [credit]. An arm that
+    omits nothing (native, intermittent) or injects nothing (zero) has none; nor has an adaptive schedule, whose
+    exact updates depend on the run."""
+    source, plan = _plan(cfg)
+    if not source.omits or cfg.credit.source == "zero":
+        return None, "its own floor" if cfg.credit.source == "zero" else "omits nothing"
+    exact = plan.schedule.spec()
+    if exact is None:
+        return None, (f"no fixed floor: credit.schedule={cfg.credit.schedule} decides its exact updates from "
+                      "the run")
+    kept = [item for item in spec.extra if not item.strip().startswith("credit.")]
+    if exact_updates(cfg):
+        kept.append(f"credit.schedule={exact}")
+        note = f"zero with the same exact updates ({plan.schedule.describe()})"
+    else:
+        note = "plain zero: the arm has no exact update"
+    return "@".join(["zero", *kept]), note
+
+
+def budget_label(updates: int, base_updates: int) -> str:
+    return "native" if updates == base_updates else f"native@train.updates={updates}"
+
+
+def budget_updates(fraction: float, base_updates: int) -> int:
+    return max(1, round(fraction * base_updates))
+
+
+def resolve_arms(specs: list[ArmSpec], preset: str, overrides, floors: bool = True,
+                 budgets: list[float] = ()) -> tuple[list[ArmSpec], dict[str, Role]]:
+    """The listed arms with what judging them needs: native at each budget (fractions of train.updates) and the
+    fair floor of each arm that has one. An added arm that one of the listed arms already is (the same config)
+    is not added twice: the listed one serves. Returns the arms in their running order (listed first) and each
+    arm's role."""
+    def identity(spec: ArmSpec, updates: int | None = None) -> str:
+        return config_mod.Config.to_json(arm_config(preset, overrides, spec, 0, updates))
+
+    base = config_mod.load(preset, list(overrides))
+    out = list(specs)
+    roles = {s.label: Role() for s in specs}
+    by_identity = {identity(s): s.label for s in specs if not s.arm.budgeted}
+
+    def add(label: str, role: Role) -> str:
+        spec = parse_arm(label)
+        known = by_identity.get(identity(spec))
+        if known is not None:
+            if roles[known].added is None and role.budget is not None:
+                roles[known].budget = role.budget
+            return known
+        out.append(spec)
+        roles[spec.label] = role
+        by_identity[identity(spec)] = spec.label
+        return spec.label
+
+    for fraction in budgets:
+        updates = budget_updates(fraction, base.train.updates)
+        add(budget_label(updates, base.train.updates), Role(added="budget", budget=fraction))
+    if floors:
+        for spec in specs:
+            if spec.arm.budgeted:
+                roles[spec.label].floor_note = "omits nothing"
+                continue
+            label, note = floor_spec(spec, arm_config(preset, overrides, spec, 0))
+            roles[spec.label].floor_note = note
+            if label is not None:
+                floor = add(label, Role(added="floor", floor_note="its own floor"))
+                roles[spec.label].floor = floor
+                roles[floor].floor_of.append(spec.label)
+    return out, roles

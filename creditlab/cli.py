@@ -326,36 +326,64 @@ def parse_seeds(text: str) -> list[int]:
 def cmd_compare(args) -> int:
     from pathlib import Path
 
-    from creditlab.arms import parse_arms
-    from creditlab.compare import CompareRun, merge, verdicts
+    from creditlab.compare import CompareRun, Interrupted, kept, merge, partial_result, verdicts
     from creditlab.compare_report import table, write_report
 
-    out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        raise config_mod.ConfigError(f"{out} exists and is not empty; records are append-only: choose a new --out")
-    if out.exists():
-        out.rmdir()
-    if args.merge:
-        given = [flag for flag, value in (("--arms", args.arms), ("--seeds", args.seeds), ("--set", args.overrides),
-                                          ("--preset", args.preset)) if value]
-        if given:
-            raise config_mod.ConfigError(f"--merge reports compare folders as they ran; drop {', '.join(given)}")
+    given = [flag for flag, value in (("EXPERIMENT", args.experiment), ("--arms", args.arms), ("--seeds", args.seeds),
+                                      ("--set", args.overrides), ("--preset", args.preset), ("--repeat", args.repeat),
+                                      ("--wandb", args.wandb)) if value]
+    for flag, value, what in (("--resume", args.resume, "continues a comparison as it was started"),
+                              ("--report", args.report, "reports a comparison as it ran"),
+                              ("--merge", args.merge, "reports compare folders as they ran")):
+        if value and (given or (args.out and flag != "--merge")):
+            drop = given + (["--out"] if args.out and flag != "--merge" else [])
+            raise config_mod.ConfigError(f"{flag} {what}; drop {', '.join(drop)}")
+    if args.report:
+        out = Path(args.report)
+        if not (out / "experiment.toml").exists():
+            raise config_mod.UserError(f"{out} holds no comparison (no experiment.toml); give the folder of a "
+                                       f"creditlab compare run")
+        folder = _numbered(out / "report")
+        folder.mkdir()
+        result = partial_result(out)
+        write_once_json(folder / "compare.json", result)
+        report = write_report(folder, result, records_from=out)
+        print("\n".join(table(result) + [""] + verdicts(result)))
+        print(f"report: {report}" + (f" (from the {len(result['unfinished'])} arm runs not finished: none of "
+                                     f"their numbers)" if result.get("unfinished") else ""))
+        return 0
+    if args.resume:
+        out = Path(args.resume)
+        run = CompareRun.resume(out, progress=not args.no_progress)
+    elif args.merge:
+        if not args.out:
+            raise config_mod.ConfigError("--merge needs --out: a new folder for the merged comparison")
+        out = Path(args.out)
+        _new_compare_folder(out)
         folders = [Path(f) for f in args.merge]
         missing = [str(f) for f in folders if not (f / "compare.json").exists()]
         if missing:
             raise config_mod.ConfigError(f"--merge: no compare.json in {', '.join(missing)}")
+        run = None
         result = merge(folders, out)
     else:
-        if not args.arms:
-            raise config_mod.ConfigError("compare needs --arms (e.g. --arms native,zero,learned), or --merge DIR ...")
-        args.preset = args.preset or "tiny"
-        base = load_config(args)
-        seeds = parse_seeds(args.seeds) if args.seeds is not None else [base.train.seed]
-        run = CompareRun(args.preset, args.overrides, parse_arms(args.arms), seeds, out,
-                         progress=not args.no_progress)
-        run.check(base)
-        print_config(base)
-        result = run.run()
+        run = CompareRun(_experiment(args), Path(args.out or "."), progress=not args.no_progress)
+        out = run.out = Path(_experiment_out(args, run.experiment))
+        _new_compare_folder(out)
+        run.check()
+        print_config(run.base)
+        run.start()
+    if run is not None:
+        try:
+            result = run.run()
+        except Interrupted as exc:
+            print(f"creditlab: compare stopped ({exc}): kept {kept(out)}; go on with: creditlab compare --resume "
+                  f"{_quote(out)}", file=sys.stderr)
+            return 130
+        except KeyboardInterrupt:
+            print(f"creditlab: compare stopped at once: kept {kept(out)} (the states saved at the last evaluation); "
+                  f"go on with: creditlab compare --resume {_quote(out)}", file=sys.stderr)
+            return 130
     report = write_report(out, result)
     if args.json:
         print(json.dumps(result["summary"]))
@@ -363,6 +391,71 @@ def cmd_compare(args) -> int:
         print("\n".join(table(result) + [""] + verdicts(result)))
         print(f"report: {report}")
     return 0
+
+
+def _quote(path) -> str:
+    import shlex
+    return shlex.quote(str(path))
+
+
+def _numbered(base):
+    """base-1, base-2, ...: the first that does not exist (a report is derived, so a new one goes beside)."""
+    from pathlib import Path
+    k = 1
+    while Path(f"{base}-{k}").exists():
+        k += 1
+    return Path(f"{base}-{k}")
+
+
+def write_once_json(path, content) -> None:
+    from creditlab.protocol.records import write_once
+    write_once(path, content)
+
+
+def _experiment(args):
+    """The experiment of `compare`: its file (if given), then the flags beside it."""
+    from creditlab import experiment as experiment_mod
+
+    exp = experiment_mod.load(args.experiment) if args.experiment else experiment_mod.Experiment()
+    if args.preset:
+        exp.preset = args.preset
+    if args.arms:
+        from creditlab.arms import parse_arms
+        exp.arms = [s.label for s in parse_arms(args.arms)]
+    if args.seeds is not None:
+        exp.seeds = parse_seeds(args.seeds)
+    if args.repeat is not None:
+        exp.repeat = args.repeat
+    if args.wandb:
+        exp.wandb = args.wandb
+    exp.overrides = [*exp.overrides, *args.overrides]
+    if not exp.arms:
+        raise config_mod.ConfigError("compare needs arms: an experiment file, or --arms (e.g. --arms "
+                                     "native,zero,learned); or --resume DIR, --report DIR, --merge DIR ...")
+    exp.check()
+    return exp
+
+
+def _experiment_out(args, exp) -> str:
+    out = args.out or exp.out
+    if not out:
+        raise config_mod.ConfigError("compare needs --out (or out = \"...\" in the experiment file): a new folder "
+                                     "for the comparison's records and report")
+    exp.out = out
+    return out
+
+
+def _new_compare_folder(out) -> None:
+    """Refuse a folder that holds anything, saying why; an empty one is taken."""
+    if out.exists() and not out.is_dir():
+        raise config_mod.UserError(f"cannot use {out}: a file is in the way; choose a new --out")
+    if out.exists() and (out / "experiment.toml").exists():
+        raise config_mod.UserError(f"{out} holds a comparison already: go on with creditlab compare --resume "
+                                   f"{_quote(out)}, or choose a new --out")
+    if out.exists() and any(out.iterdir()):
+        raise config_mod.UserError(f"{out} exists and is not empty; records are append-only: choose a new --out")
+    if out.exists():
+        out.rmdir()
 
 
 def cmd_heldout(args) -> int:
@@ -424,19 +517,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue an unfinished run from its newest checkpoint (train.checkpoint_every > 0)")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("compare", help="competence test: arms from one start on one data order, DEV loss, "
-                                       "gap closed, intermittent at equal GPU-seconds")
-    _config_args(p)
+    p = sub.add_parser("compare", help="competence test and verdict: arms from one start on one data order, DEV "
+                                       "loss, fair floors, native's budgets, speedup with a 95%% interval")
+    p.add_argument("experiment", nargs="?", default=None, metavar="EXPERIMENT.toml",
+                   help="an experiment file (experiments/*.toml); flags given beside it replace or extend its values")
+    p.add_argument("--preset", default=None, help=f"one of: {', '.join(config_mod.PRESETS)} (default tiny)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config field; repeatable")
     p.add_argument("--arms", default=None,
-                   help="comma-separated arms: native, oracle, zero, learned, dfa, dni, intermittent; an arm's own "
-                        "overrides as name@section.key=value")
-    p.add_argument("--seeds", default=None, help="comma-separated seeds (default: train.seed)")
-    p.add_argument("--out", required=True, help="a new folder for the comparison's records and report")
+                   help="comma-separated arms: native, oracle, zero, learned, typed, fitted_feedback, dfa, fdfa, "
+                        "sketch, dni, intermittent; an arm's own overrides as name@section.key=value")
+    p.add_argument("--seeds", default=None, help="comma-separated seeds (default 1,2,3)")
+    p.add_argument("--repeat", type=int, default=None, metavar="K",
+                   help="run each seed K times (the same init and data order) to measure run-to-run noise")
+    p.add_argument("--out", default=None, help="a new folder for the comparison's records and report")
+    p.add_argument("--resume", metavar="DIR", default=None,
+                   help="continue an interrupted comparison from its arms' saved states")
+    p.add_argument("--report", metavar="DIR", default=None,
+                   help="a report (into DIR/report-N/) of whatever arm runs of DIR have finished")
     p.add_argument("--merge", nargs="+", metavar="DIR", default=None,
-                   help="instead of training: one report from compare folders of the same arms at other seeds")
+                   help="instead of training: one report from compare folders of one experiment at other seeds")
+    p.add_argument("--wandb", metavar="PROJECT", default=None,
+                   help="also log every arm's rows and evaluations to W&B (offline unless WANDB_MODE says otherwise)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_compare, preset=None)  # None: not given (tiny), so that --merge can refuse it
+    p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("heldout", help="FINAL_HELDOUT loss of a finished run or comparison, once per admission")
     p.add_argument("run", help="a finished run's record folder (with model.pt), or a compare folder (all its "

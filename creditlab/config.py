@@ -168,6 +168,18 @@ DFA_SCALES = ("none", "calibrated")
 REFERENCE_ARMS = ("oracle", "zero", "learned", "typed", "fitted_feedback", "dfa", "fdfa", "sketch", "dni")
 
 
+def parse_budgets(spec: str) -> list[float]:
+    """compare.native_budgets as sorted fractions; a ValueError says what is wrong."""
+    try:
+        values = [float(part) for part in spec.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise ValueError(f"{spec!r} is not a comma-separated list of fractions of train.updates, e.g. "
+                         "0.7,0.85,1.0,1.15") from None
+    if any(not (math.isfinite(v) and v > 0) for v in values) or len(set(values)) != len(values):
+        raise ValueError(f"{spec!r}: give distinct positive fractions of train.updates, e.g. 0.7,0.85,1.0,1.15")
+    return sorted(values)
+
+
 def parse_recompute(spec: str) -> frozenset[str]:
     """The parts named by model.recompute; a ValueError names the valid ones."""
     spec = spec.strip().lower()
@@ -257,6 +269,19 @@ class CompareConfig:
     # synthetic updates (teacher updates are exact by construction).
     align_every: int = 0
     reference: str = "learned"  # the arm whose GPU-seconds `intermittent` is given
+    # Native backprop at these fractions of train.updates, each with its learning rate fully decayed within its
+    # own budget: native's DEV loss against GPU-seconds, which each arm's speedup is read from ("" for none).
+    native_budgets: str = "0.7,0.85,1.0,1.15"
+    # Each arm with exact updates is judged against `zero` under the same schedule (its fair floor), added to the
+    # comparison unless one of its arms is that floor already.
+    floors: bool = True
+    # The shorter native budgets continue the longest one's run from the last update at which their learning
+    # rates are still the same (its cooldown's start), instead of repeating those updates: the same numbers as
+    # separate runs (tested on the CPU), fewer updates.
+    fork_budgets: bool = True
+    # Every arm's state is saved every checkpoint_every updates (0: at every evaluation, train.eval_every), so
+    # that `compare --resume` continues an interrupted comparison from there.
+    checkpoint_every: int = 0
 
 
 @dataclass
@@ -325,7 +350,8 @@ def _tiny() -> Config:
 # printed, how many checkpoints are kept, when a stalled loss is warned of. Two admissions that differ only in
 # these are one experiment (admitting the second names the first and its verdict), and compare folders that
 # differ only in these merge. Every other key counts, including any key added later, until it is listed here.
-COSMETIC_KEYS = ("train.log_every", "train.out_dir", "train.keep_checkpoints", "train.stall_updates")
+COSMETIC_KEYS = ("train.log_every", "train.out_dir", "train.keep_checkpoints", "train.stall_updates",
+                 "compare.checkpoint_every")
 
 
 PRESETS: dict[str, typing.Callable[[], Config]] = {"seed": _seed, "tiny": _tiny}
@@ -459,6 +485,12 @@ def validate(cfg: Config) -> None:
     problems += _range_problems(t, ("activation_budget",), 0.0, 1.0, low_open=True)
     if cfg.compare.align_every < 0:
         problems.append(f"compare.align_every must be >= 0, got {cfg.compare.align_every}")
+    if cfg.compare.checkpoint_every < 0:
+        problems.append(f"compare.checkpoint_every must be >= 0, got {cfg.compare.checkpoint_every}")
+    try:
+        parse_budgets(cfg.compare.native_budgets)
+    except ValueError as exc:
+        problems.append(f"compare.native_budgets: {exc}")
     if cfg.compare.reference.partition("@")[0].strip() not in REFERENCE_ARMS:
         problems.append(f"compare.reference must name an arm other than native and intermittent, as in --arms "
                         f"(name or name@section.key=value; names: {'|'.join(REFERENCE_ARMS)}), "

@@ -108,13 +108,7 @@ class Optimizers:
                 pg["base_lr"] = pg["lr"]
 
     def lr_scale(self, update: int) -> float:
-        total, warmup = self.cfg.updates, self.cfg.warmup
-        if update < warmup:
-            return (update + 1) / warmup
-        cooldown = round(self.cfg.cooldown_frac * total)
-        if cooldown and update >= total - cooldown:
-            return max(0.0, (total - update) / cooldown)
-        return 1.0
+        return lr_scale(update, self.cfg.updates, self.cfg.warmup, self.cfg.cooldown_frac)
 
     def step(self, update: int) -> float:
         scale = self.lr_scale(update)
@@ -134,3 +128,15 @@ class Optimizers:
     def load_state_dict(self, state: dict) -> None:
         self.muon.load_state_dict(state["muon"])
         self.adam.load_state_dict(state["adam"])
+
+
+def lr_scale(update: int, updates: int, warmup: int, cooldown_frac: float) -> float:
+    """The learning rate's factor at `update` (0-based) of a run of `updates`: linear warmup over `warmup`
+    updates, constant, then a linear cooldown to zero over the last `cooldown_frac` of the updates (so the rate
+    is fully decayed at the run's own end, whatever its length)."""
+    if update < warmup:
+        return (update + 1) / warmup
+    cooldown = round(cooldown_frac * updates)
+    if cooldown and update >= updates - cooldown:
+        return max(0.0, (updates - update) / cooldown)
+    return 1.0

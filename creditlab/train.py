@@ -48,7 +48,7 @@ class CheckpointMismatch(UserError):
 @dataclass
 class UpdateRow:
     update: int
-    kind: str  # native | synthetic | teacher
+    kind: str  # native | synthetic | teacher, or the source's own name for an update with more work (refresh)
     loss: float
     seconds: float
     tokens: int
@@ -82,7 +82,8 @@ class QueuedUpdate:
     """An update queued on the device whose results the host has not read yet (Trainer.read_update reads them).
     The memory peaks are the allocator's, counted on the host as it queued the work."""
     update: int
-    kind: str
+    kind: str  # the schedule's
+    recorded_kind: str  # what the row says (CreditSource.recorded_kind)
     readback: rt.HostCopy  # [the mean loss, each micro-batch's loss, each gradient's norm]
     grad_names: list[str]  # the parameters of those norms
     micro_batches: int
@@ -208,7 +209,7 @@ class Trainer:
         # The allocator counts on the host, in the order the host queued the work: its peak needs no wait.
         peaks = rt.peak_memory_mib(runtime)
         self.update_index += 1
-        return QueuedUpdate(update, kind, *readback, len(losses), lr_scale, fit, aligned, timers, *peaks)
+        return QueuedUpdate(update, kind, self.source.recorded_kind(update, kind), *readback, len(losses), lr_scale, fit, aligned, timers, *peaks)
 
     def read_update(self, queued: "QueuedUpdate") -> UpdateRow:
         """The row of a queued update: waits for what the host reads of it (and for nothing queued after it),
@@ -224,7 +225,7 @@ class Trainer:
         tps = tokens / seconds
         mfu = None if self.peak_tflops is None else \
             tps * self.flops_per_token / (self.peak_tflops * 1e12 * runtime.world_size)
-        return UpdateRow(queued.update, queued.kind, loss, seconds, tokens, tps, queued.lr_scale,
+        return UpdateRow(queued.update, queued.recorded_kind, loss, seconds, tokens, tps, queued.lr_scale,
                          queued.peak_allocated_mib, queued.peak_reserved_mib, mfu, fit, queued.aligned)
 
     def _grad_norms(self) -> tuple[list[str], torch.Tensor]:
@@ -299,6 +300,12 @@ class Trainer:
         if differ:
             raise CheckpointMismatch(f"the checkpoint was written under another config ({'; '.join(differ)}); "
                                      f"resume it with the config it was written under, or start a new run")
+        self.load_state(state)
+
+    def load_state(self, state: dict) -> None:
+        """Take over a state_dict() (of this trainer's config, or of a run this one continues: a native budget
+        forked from a longer one). A state still in use elsewhere must be passed as a deep copy: optimizers keep
+        the tensors of a state they load where its device and dtype already match."""
         self.model.load_state_dict(state["model"])
         self.optimizers.load_state_dict(state["optimizers"])
         self.source.load_state_dict(state["source"])

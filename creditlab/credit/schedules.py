@@ -48,6 +48,11 @@ class Schedule:
     def describe(self) -> str:
         raise NotImplementedError
 
+    def spec(self) -> str | None:
+        """The schedule as a `credit.schedule` value that fixes its exact updates in advance, whatever the source
+        (a fair floor runs `zero` under it); None where they depend on the run."""
+        return None
+
     def state_dict(self) -> dict:
         return {}
 
@@ -62,6 +67,9 @@ class Never(Schedule):
     def describe(self) -> str:
         return "no exact update"
 
+    def spec(self) -> str:
+        return "never"
+
 
 class Fixed(Schedule):
     def __init__(self, every: int, period: int | None = None):
@@ -75,6 +83,9 @@ class Fixed(Schedule):
 
     def describe(self) -> str:
         return f"one exact update in {self.period}" if self.period else "no exact update"
+
+    def spec(self) -> str:
+        return f"fixed:{self.period}"
 
 
 class Warmup(Schedule):
@@ -91,6 +102,9 @@ class Warmup(Schedule):
 
     def describe(self) -> str:
         return f"{self.warm} exact updates, then one in {self.period}"
+
+    def spec(self) -> str:
+        return f"warmup:{self.warm},{self.period}"
 
 
 class Adaptive(Schedule):

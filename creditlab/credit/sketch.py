@@ -115,6 +115,9 @@ class SketchSource(CreditSource):
             self.refresh(trainer.model, trainer.update_index)
         return self.step()
 
+    def recorded_kind(self, update: int, kind: str) -> str:
+        return "refresh" if kind == "synthetic" and self.refreshed_at == update else kind
+
     def step(self) -> SketchCredit:
         if self.refreshed_at < 0:
             raise RuntimeError("the sketch source has no basis yet: call refresh(model) first")

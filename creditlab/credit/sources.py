@@ -153,6 +153,12 @@ class CreditSource(nn.Module):
         """Called after each update's optimizer step; a fitting source applies its fit and reports it."""
         return None
 
+    def recorded_kind(self, update: int, kind: str) -> str:
+        """The kind an update of the schedule's `kind` is recorded and costed as, once its micro-batches ran:
+        the schedule's, or a name of the source's own for an update that did more work than the others of its
+        kind (the sketch's refresh), so that costs count that work at its own median, not at the kind's."""
+        return kind
+
 
 class FittedSource(CreditSource):
     """A source fitted on exact teacher updates by its `Teacher` (credit/teacher.py), made on first use."""
