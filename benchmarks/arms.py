@@ -604,7 +604,25 @@ def summarize_arm(arm: dict) -> dict:
     out["gc_ms_per_update"] = 1e3 * sum(gc_s) / len(gc_s) if gc_s else None
     out["gc_ms_max"] = 1e3 * max(gc_s) if gc_s else None
     out.update(cycle_estimate(out["rows"]))
+    out.update(refresh_estimate(arm["trainer"]))
     return out
+
+
+def refresh_estimate(trainer: Trainer, times: int = 3) -> dict:
+    """For a source that refreshes a basis every so many updates (the sketch): the refresh's own seconds, timed
+    apart (a short run sees at most its first, which compiles), and its share per update. Its cost per update is
+    then counted as `creditlab compare` counts it: the synthetic update plus the refresh at its share of the
+    updates (compare records a refreshing update as a kind of its own, at its own median)."""
+    source = trainer.source
+    if not hasattr(source, "refresh") or not getattr(source, "every", 0):
+        return {}
+    seconds = []
+    for _ in range(times):
+        with rt.Timer(trainer.runtime) as timed:
+            source.refresh(trainer.model, trainer.update_index)
+        seconds.append(timed.seconds)
+    refresh = statistics.median(seconds)
+    return {"refresh_s": refresh, "refresh_every": source.every, "refresh_share_s": refresh / source.every}
 
 
 def cycle_estimate(rows: list[dict]) -> dict:
@@ -663,6 +681,13 @@ def round_ratio(rows: list[dict], base_rows: list[dict]) -> tuple[float, float, 
     return runner_round_ratio([r["seconds"] for r in rows], [r["seconds"] for r in base_rows])
 
 
+def _with_refresh(r: dict) -> list[dict]:
+    """An arm's rows with its refresh's share added to every update (as compare counts it), for the per-round
+    columns; the rows themselves as they are for every other arm."""
+    share = r.get("refresh_share_s")
+    return r["rows"] if share is None else [row | {"seconds": row["seconds"] + share} for row in r["rows"]]
+
+
 def markdown(results: list[dict], meta: dict) -> str:
     base = results[0]["median_last6_s"]
     paired = meta["schedule"] in ("interleaved", "overlapped")
@@ -686,13 +711,20 @@ def markdown(results: list[dict], meta: dict) -> str:
             notes.append(f"{r['arm']}: s/update is one cycle's mean, (median teacher {r['cycle_teacher_s']:.4f} + "
                          f"{r['cycle_every'] - 1} x median synthetic {r['cycle_synthetic_s']:.4f}) / "
                          f"{r['cycle_every']}, over the updates after the first cycle.")
+        if "refresh_s" in r:
+            seconds += r["refresh_share_s"]
+            tokens_per_s = r["rows"][-1]["tokens"] / seconds
+            notes.append(f"{r['arm']}: s/update counts its refresh: median update {r['median_last6_s']:.4f} + refresh "
+                         f"{r['refresh_s']:.4f} s (timed apart, median of 3) / every {r['refresh_every']} updates; "
+                         f"so do its paired and per-round columns.")
         line = (f"| {r['arm']} | {seconds:.4f} | {seconds / base:.4f} | "
                 f"{tokens_per_s:,.0f} | {mfu} | {r['peak_allocated_mib']:,.0f} | "
                 f"{_mib(r['peak_reserved_mib'])} | {r['first_update_s']:.1f} | {r['loss_last']:.4f} |")
         if paired:
-            diff = None if "cycle_s" in r or r is results[0] else paired_ms(r["rows"], results[0]["rows"])
+            rows = _with_refresh(r)
+            diff = None if "cycle_s" in r or r is results[0] else paired_ms(rows, results[0]["rows"])
             line += " - |" if diff is None else f" {diff[0]:+.1f} ({diff[1]:+.1f} .. {diff[2]:+.1f}) |"
-            ratio = None if "cycle_s" in r or r is results[0] else round_ratio(r["rows"], results[0]["rows"])
+            ratio = None if "cycle_s" in r or r is results[0] else round_ratio(rows, results[0]["rows"])
             line += " - |" if ratio is None else f" {ratio[0]:.4f} ({ratio[1]:.4f} .. {ratio[2]:.4f}) |"
         lines.append(line)
     if paired:

@@ -576,7 +576,8 @@ def _values(runs: dict, label: str, field: str) -> dict[str, float | None]:
 
 def native_curves(result: dict) -> dict[str, vd.NativeCurve]:
     """Per run key: native's curve from every native budget of that run (and intermittent, another budget)."""
-    budget_labels = [a["label"] for a in result["arms"] if a["role"]["budget"] is not None or a["arm"] == "intermittent"]
+    budget_labels = [a["label"] for a in result["arms"]
+                     if a["role"]["budget"] is not None or a["arm"] == "intermittent"]
     curves = {}
     for key in result["runs_keys"]:
         points = [(result["runs"][label][key]["gpu_seconds"], result["runs"][label][key]["dev_loss"])
@@ -666,6 +667,24 @@ def gap_closed(l_zero: float | None, l_arm: float | None, l_native: float | None
     return (l_zero - l_arm) / (l_zero - l_native)
 
 
+def speedup_text(speed: dict, digits: int = 3) -> str:
+    """A summary's speedup in words: its interval over seeds; where every seed's arm lies outside native's
+    budgets, only the bound that holds in every seed ("< x": worse than native's cheapest budget)."""
+    seeds = list(speed["per_seed"].values())
+    bounds = [v["bound"] for v in seeds if v["value"] is not None]
+    d = speed["interval"]
+    if bounds and all(b == "below" for b in bounds):
+        return (f"< {max(v['value'] for v in seeds if v['value'] is not None):.{digits}f} (in every seed worse than "
+                f"native's cheapest budget)")
+    if bounds and all(b == "above" for b in bounds):
+        return (f"> {min(v['value'] for v in seeds if v['value'] is not None):.{digits}f} (in every seed better "
+                f"than native's dearest budget)")
+    text = vd.Interval(d["mean"], d["low"], d["high"], d["n"], tuple(d["values"])).text(digits)
+    outside = sum(b is not None for b in bounds)
+    return text + (f" ({outside} of {len(bounds)} seeds outside native's budgets, entered as their bounds)"
+                   if outside else "")
+
+
 def verdicts(result: dict) -> list[str]:
     """One sentence per listed arm: what it costs, where it ends, what prediction adds over its floor, and
     whether it pays, each difference with its interval over seeds."""
@@ -682,13 +701,9 @@ def verdicts(result: dict) -> list[str]:
                  + (" at equal updates" if s["equal_updates"] else f" ({s['updates']['mean']:.0f} updates against "
                                                                      f"native's)")]
         if s["floor"]:
-            parts.append(f"prediction adds {iv(s['prediction_adds'])} nats over its floor {s['floor']}")
+            parts.append(f"adds {iv(s['prediction_adds'])} nats over its floor {s['floor']}")
         speed = s["speedup"]
-        text = iv(speed["interval"], 3, False)
-        bounded = {v["bound"] for v in speed["per_seed"].values()} - {None}
-        if bounded:
-            text += f" (bounded in some seed: {', '.join(sorted(bounded))} native's budgets)"
-        parts.append(f"speedup {text}: " + (speed["verdict"] or speed["why"] or ""))
+        parts.append(f"speedup {speedup_text(speed)}: " + (speed["verdict"] or speed["why"] or ""))
         lines.append("; ".join(parts))
     if seeds < 2:
         lines.append("one seed: no interval, so no difference is called a difference")

@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 
 from creditlab import verdict as vd
-from creditlab.compare import load_runs, missing_records, record_dirs, verdicts
+from creditlab.compare import load_runs, missing_records, record_dirs, speedup_text, verdicts
 from creditlab.protocol.records import write_once
 
 FIGURES = ("verdict.png", "dev_minus_native.png", "fit_quality.png", "alignment.png")
@@ -42,9 +42,7 @@ def table(result: dict) -> list[str]:
         role = s["role"]
         name = label + {"floor": " (floor)", "budget": " (native budget)"}.get(role["added"], "")
         speed = s["speedup"]
-        bounded = sorted({v["bound"] for v in speed["per_seed"].values()} - {None})
-        speed_text = _iv(speed["interval"], 3) + (f" ({'/'.join(bounded)} native's budgets in some seed)"
-                                                  if bounded else "")
+        speed_text = speedup_text(speed)
         on_curve = role["budget"] is not None or label in intermittent
         verdict = "– (on native's curve)" if on_curve else (speed["verdict"] or f"– ({speed['why']})")
         updates = f"{s['updates']['mean']:.0f}"
@@ -60,8 +58,9 @@ def markdown(result: dict) -> str:
     seeds, keys = result["seeds"], result["runs_keys"]
     repeats = len(keys) > len(seeds)
     budgets = [label for label in _listed(result) if result["summary"][label]["role"]["budget"] is not None]
+    listed = ", ".join(a["label"] for a in result["arms"] if a["role"]["added"] is None)
     lines = [f"# Comparison ({result['preset']}): the verdict", "",
-             f"Device: {result['device']}. Arms {', '.join(a['label'] for a in result['arms'] if a['role']['added'] is None)}; "
+             f"Device: {result['device']}. Arms {listed}; "
              f"seeds {', '.join(map(str, seeds))}" + (f", runs {', '.join(keys)}" if repeats else "")
              + f"; {result['tokens_per_update']:,} tokens per update; DEV loss on a fixed subset of "
              f"{result['eval']['tokens']:,} tokens" + (f" every {result['eval']['every']} updates"
@@ -103,8 +102,8 @@ def markdown(result: dict) -> str:
     forked = {label: r["forked_from"] for label, by_key in result["runs"].items() for r in by_key.values()
               if r.get("forked_from")}
     if forked:
-        lines += ["", "Shorter budgets continued the longest one's run from the start of their own cooldown (their "
-                      "learning rates equal the longer run's before it): "
+        lines += ["", "Shorter budgets continued the longest one's run after the last update at which their learning "
+                      "rates still equal its (their cooldown starts there): "
                   + "; ".join(f"{label} from {f['label']} after {f['updates']} updates" for label, f in forked.items())
                   + "."]
     lines += ["", "## Floors and the plain zero", "", "| arm | floor | gap closed vs plain zero |", "|---|---|---|"]
@@ -150,8 +149,12 @@ def _band(ax, xs, per_seed: list[list[float]], label, color):
         ax.fill_between(xs, [iv.low for iv in ivs], [iv.high for iv in ivs], color=color, alpha=0.2, lw=0)
 
 
-def figure_dev_minus_native(ax, result: dict, runs: dict, colors: dict) -> None:
+def figure_dev_minus_native(ax, result: dict, runs: dict, colors: dict, zoom: bool = False) -> None:
+    """Each arm's DEV loss minus native's at equal updates; `zoom`: the last 40% of training only, where the
+    learning rate decays and the arms' final differences form (a spike early on sets no scale there)."""
     native = runs.get("native", {})
+    total = max((e["update"] for run in native.values() for e in run["evals"]), default=0)
+    start = 0.6 * total if zoom else 0
     for label, by_key in runs.items():
         s = result["summary"].get(label)
         if label == "native" or s is None or s["role"]["added"] == "budget" or not s["equal_updates"]:
@@ -162,7 +165,8 @@ def figure_dev_minus_native(ax, result: dict, runs: dict, colors: dict) -> None:
             if key not in native:
                 continue
             theirs = {e["update"]: e["loss"] for e in native[key]["evals"]}
-            points = [(e["update"], e["loss"] - theirs[e["update"]]) for e in run["evals"] if e["update"] in theirs]
+            points = [(e["update"], e["loss"] - theirs[e["update"]]) for e in run["evals"]
+                      if e["update"] in theirs and e["update"] >= start]
             if not points:
                 continue
             xs = xs or [u for u, _ in points]
@@ -175,7 +179,8 @@ def figure_dev_minus_native(ax, result: dict, runs: dict, colors: dict) -> None:
     ax.axhline(0.0, color="black", lw=0.8)
     ax.set_xlabel("updates")
     ax.set_ylabel("DEV loss minus native's (nats/token)")
-    ax.set_title("DEV loss against native's at equal updates (mean over seeds, 95% band)", fontsize=10)
+    ax.set_title("the last 40% of training" if zoom else "DEV loss against native's at equal updates (mean over "
+                 "seeds, 95% band)", fontsize=10)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
@@ -192,9 +197,7 @@ def figure_verdict(ax, result: dict, colors: dict) -> None:
             continue
         g, l = s["gpu_seconds"], s["dev_loss"]
         yerr = None if l["low"] is None else [[l["mean"] - l["low"]], [l["high"] - l["mean"]]]
-        speed = s["speedup"]
-        text = vd.Interval(**{k: speed["interval"][k] for k in ("mean", "low", "high", "n")},
-                           values=tuple(speed["interval"]["values"])).text(2)
+        text = speedup_text(s["speedup"], 2).replace(" (in every seed worse than native's cheapest budget)", "")
         ax.errorbar([g["mean"]], [l["mean"]], yerr=yerr, fmt="o", color=colors[label], capsize=3,
                     label=f"{label}: speedup {text}")
         losses += [l["mean"]] + ([l["low"], l["high"]] if l["low"] is not None else [])
@@ -224,8 +227,9 @@ def figures(out: Path, result: dict, records_from: Path | None = None) -> None:
     fig.savefig(out / "verdict.png", dpi=120)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    figure_dev_minus_native(ax, result, runs, colors)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    figure_dev_minus_native(axes[0], result, runs, colors)
+    figure_dev_minus_native(axes[1], result, runs, colors, zoom=True)
     fig.tight_layout()
     fig.savefig(out / "dev_minus_native.png", dpi=120)
     plt.close(fig)

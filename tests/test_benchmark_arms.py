@@ -47,6 +47,37 @@ def test_cycle_estimate_uses_medians_after_the_first_cycle():
     assert arms.cycle_estimate([{"kind": "synthetic", "seconds": 1.0}] * 8) == {}
 
 
+def test_a_sketch_counts_its_refresh_at_its_share_of_the_updates_as_compare_does():
+    from creditlab.compare import arm_summary
+    from creditlab.train import Trainer
+
+    arms = load("arms")
+    cfg = config.load("tiny", ["credit.source=sketch", "credit.sketch_rank=4", "credit.sketch_every=10",
+                               "train.device=cpu", "train.compile=off"])
+    trainer = Trainer(cfg)
+    trainer.train_update()  # takes the first basis
+    est = arms.refresh_estimate(trainer)
+    assert est["refresh_every"] == 10 and est["refresh_s"] > 0
+    assert est["refresh_share_s"] == pytest.approx(est["refresh_s"] / 10)
+    assert arms.refresh_estimate(Trainer(config.load("tiny", ["train.device=cpu", "train.compile=off"]))) == {}
+    # the table's s/update and per-round columns: the update plus the refresh's share, the rule compare applies
+    # to an arm whose rows record each refresh as its own kind
+    rows = [{"seconds": 1.0, "tokens": 100, "kind": "native"} for _ in range(8)]
+    native = {"arm": "native", "rows": rows, "median_last6_s": 1.0, "median_last6_tokens_per_s": 100.0,
+              "median_last6_mfu": None, "peak_allocated_mib": 1.0, "peak_reserved_mib": None, "first_update_s": 1.0,
+              "loss_last": 1.0}
+    sketch = native | {"arm": "sketch16", "rows": [r | {"kind": "synthetic"} for r in rows], "refresh_s": 5.0,
+                       "refresh_every": 50, "refresh_share_s": 0.1}
+    table = arms.markdown([native, sketch], {"env": {"torch": "x", "cuda": "y"}, "matmul_tflops": None, "updates": 8,
+                                             "schedule": "interleaved"})
+    assert "| sketch16 | 1.1000 | 1.1000 |" in table and "refresh 5.0000 s" in table
+    assert "1.1000 (1.1000 .. 1.1000)" in table  # per round, the share added to every update
+    long_run = [{"kind": "refresh", "seconds": 6.0, "loss": 1.0}] + \
+        [{"kind": "synthetic", "seconds": 1.0, "loss": 1.0}] * 49
+    long_run = long_run * 3  # 150 updates, three refreshes: the compiling first of each kind left out
+    assert arm_summary(long_run, [])["gpu_seconds"] == pytest.approx(3 * 6.0 + 147 * 1.0)
+
+
 def test_gpu_busy_is_the_union_of_device_intervals():
     arms = load("arms")
     events = [{"ph": "X", "cat": "kernel", "ts": 0, "dur": 10}, {"ph": "X", "cat": "kernel", "ts": 5, "dur": 10},
