@@ -14,15 +14,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-ARMS=${ARMS:-native,zero,learned,learned@credit.fit=lstsq,dfa,dni,intermittent}
-UPDATES=${UPDATES:-1000}
+# The comparison itself is experiments/competence.toml; the settings below are its, for `admit`.
 settings() {
   echo --preset seed --set data.source=shards --set "data.dir=$1" \
     --set train.micro_batch=16 --set train.grad_accum=1 --set train.eval_every=100 \
     --set train.eval_tokens=262144 --set compare.align_every=50
-}
-common() {
-  echo $(settings "$1") --arms "$ARMS" --no-progress
 }
 case "$1" in
   prepare)
@@ -30,16 +26,14 @@ case "$1" in
     python3 -m creditlab.cli data info "$2" ;;
   admit)
     # shellcheck disable=SC2046
-    python3 -m creditlab.cli admit $(settings "$2") --set "train.updates=$UPDATES" --set "train.out_dir=$3" ;;
+    python3 -m creditlab.cli admit $(settings "$2") --set train.updates=1000 --set "train.out_dir=$3" ;;
   heldout)
     python3 -m creditlab.cli heldout "$2/merged" --out-dir "$3" --admission "$4" ;;
   warm)
-    # shellcheck disable=SC2046
-    python3 -m creditlab.cli compare $(common "$2") --set train.updates=3 --set train.eval_tokens=32768 \
-      --out "$3/warm" ;;
+    python3 -m creditlab.cli compare experiments/competence.toml --set "data.dir=$2" --set train.updates=3 \
+      --set train.eval_tokens=32768 --seeds 1 --no-progress --out "$3/warm" ;;
   run)
-    # shellcheck disable=SC2046
-    python3 -m creditlab.cli compare $(common "$2") --set "train.updates=$UPDATES" --seeds "$4" \
+    python3 -m creditlab.cli compare experiments/competence.toml --set "data.dir=$2" --seeds "$4" --no-progress \
       --out "$3/seed$4" ;;
   merge)
     out=$2; shift 2

@@ -5,8 +5,8 @@
 #
 #   benchmarks/fit.sh smoke OUT                 a few compiled tiny updates of every new source (catches a
 #                                               compiler failure before the long run)
-#   benchmarks/fit.sh run DATA OUT SEED         the comparison, one seed, checkpoints every UPDATES/3 updates
-#                                               (all kept: the ceilings read each)
+#   benchmarks/fit.sh run DATA OUT SEED         experiments/fit.toml, one seed; the fitted arms' states every
+#                                               150 updates (all kept: the ceilings read each)
 #   benchmarks/fit.sh ceilings OUT SEED         the fit ceiling at each checkpoint of the fitted arms
 #   benchmarks/fit.sh cost OUT                  teacher and synthetic updates per family, arms interleaved
 #
@@ -14,21 +14,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-UPDATES=${UPDATES:-600}
-EVERY=$((UPDATES / 3))
-CK="@train.checkpoint_every=$EVERY"
-ARMS=${ARMS:-native,zero,learned,learned@credit.fit=lstsq$CK,typed@credit.fit=lstsq$CK,fitted_feedback@credit.fit=lstsq$CK}
+EXPERIMENT=${EXPERIMENT:-experiments/fit.toml}  # the comparison; rivals.sh runs its own through this script
 case "$1" in
   smoke)
     python3 -m creditlab.cli compare --preset tiny --set train.updates=6 --set credit.teacher_every=2 \
       --set train.eval_every=0 --set train.eval_tokens=4096 --no-progress \
       --arms "typed@credit.fit=lstsq,fitted_feedback@credit.fit=lstsq,fitted_feedback,dfa" --out "$2/smoke" ;;
   run)
-    python3 -m creditlab.cli compare --preset seed --set data.source=shards --set "data.dir=$2" \
-      --set train.micro_batch=16 --set train.grad_accum=1 --set train.eval_every=100 \
-      --set train.eval_tokens=262144 --set compare.align_every=50 --set "train.updates=$UPDATES" \
-      --set train.keep_checkpoints=0 \
-      --arms "$ARMS" --seeds "$4" --no-progress --out "$3/seed$4" ;;
+    python3 -m creditlab.cli compare "$EXPERIMENT" --set "data.dir=$2" --seeds "$4" --no-progress \
+      --out "$3/seed$4" ;;
   ceilings)
     for arm in "$2/seed$3"/*-seed"$3"; do
       for ck in "$arm"/checkpoint_*.pt; do

@@ -13,12 +13,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-RIVALS="fdfa,dfa@credit.dfa_scale=calibrated,sketch@credit.sketch_rank=16,sketch@credit.sketch_rank=32"
-RIVALS="$RIVALS,sketch@credit.sketch_rank=64,learned@credit.schedule=warmup:20,4,learned@credit.schedule=adaptive"
 case "$1" in
   run)
-    # checkpoint_every is left at 0: the fit study's labels carry it only on the arms it ceiling-checks
-    ARMS=${ARMS:-$RIVALS} UPDATES=450 bash benchmarks/fit.sh run "$2" "$3" "$4" ;;
+    EXPERIMENT=experiments/rivals.toml bash benchmarks/fit.sh run "$2" "$3" "$4" ;;
   merge)
     out=$2 fit=$3; shift 3
     folders=()

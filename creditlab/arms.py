@@ -119,12 +119,16 @@ def exact_updates(cfg: config_mod.Config) -> list[int]:
     return [u for u in range(cfg.train.updates) if plan.kind(u) != "synthetic"]
 
 
+# What an arm writes, not what it computes: an arm's own override of one of these does not make its floor another
+RECORDING_KEYS = (*config_mod.COSMETIC_KEYS, "train.checkpoint_every")
+
+
 def floor_spec(spec: ArmSpec, cfg: config_mod.Config) -> tuple[str | None, str]:
     """The label of an arm's floor and a note on it. An arm whose source omits the products is judged against
     `zero` (nothing injected) with the same exact updates: zero under the arm's schedule where it has exact
-    updates, plain zero where it has none. The floor keeps the arm's own overrides outside [credit]. An arm that
-    omits nothing (native, intermittent) or injects nothing (zero) has none; nor has an adaptive schedule, whose
-    exact updates depend on the run."""
+    updates, plain zero where it has none. The floor keeps the arm's own overrides outside [credit], but for those
+    that only say what is written (RECORDING_KEYS). An arm that omits nothing (native, intermittent) or injects
+    nothing (zero) has none; nor has an adaptive schedule, whose exact updates depend on the run."""
     source, plan = _plan(cfg)
     if not source.omits or cfg.credit.source == "zero":
         return None, "its own floor" if cfg.credit.source == "zero" else "omits nothing"
@@ -132,7 +136,8 @@ def floor_spec(spec: ArmSpec, cfg: config_mod.Config) -> tuple[str | None, str]:
     if exact is None:
         return None, (f"no fixed floor: credit.schedule={cfg.credit.schedule} decides its exact updates from "
                       "the run")
-    kept = [item for item in spec.extra if not item.strip().startswith("credit.")]
+    kept = [item for item in spec.extra if not item.strip().startswith("credit.")
+            and item.partition("=")[0].strip() not in RECORDING_KEYS]
     if exact_updates(cfg):
         kept.append(f"credit.schedule={exact}")
         note = f"zero with the same exact updates ({plan.schedule.describe()})"

@@ -2,7 +2,8 @@
 
 Prepares the built-in prose corpus (cached after the first run), prints the FLOP accounting of the seed
 model, runs the float64 credit checks, trains the tiny model natively and with learned credit on the corpus,
-compares four arms on DEV loss, and runs an exploratory resource screen.
+compares arms on DEV loss with the verdict's instrument (native's budgets, a fair floor, two seeds), and runs
+an exploratory resource screen.
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ def cmd_demo(args) -> int:
          ["train", "--preset", "tiny", "--set", "data.source=shards", "--set", f"data.dir={args.data}",
           "--set", f"train.updates={args.updates}", "--set", "credit.source=learned",
           "--set", f"train.out_dir={runs}"]),
-        ("compare: native, zero, learned and intermittent from one start, DEV loss and gap closed",
-         ["compare", "--preset", "tiny", "--arms", "native,zero,learned,intermittent", "--set", "data.source=shards",
-          "--set", f"data.dir={args.data}", "--set", f"train.updates={args.updates}", "--set", "compare.align_every=4",
-          "--out", f"{runs}/compare"]),
+        ("compare: native at its budgets, zero, learned and its fair floor from one start; the verdict",
+         ["compare", "--preset", "tiny", "--arms", "native,zero,learned", "--seeds", "1,2", "--set",
+          "data.source=shards", "--set", f"data.dir={args.data}", "--set", f"train.updates={max(4, args.updates // 2)}",
+          "--set", "compare.native_budgets=0.7,1.0", "--set", "train.eval_every=10", "--set", "train.eval_tokens=8192",
+          "--set", "compare.align_every=4", "--no-progress", "--out", f"{runs}/compare"]),
         ("screen: exploratory two-arm resource screen (native vs learned, zero decoders)",
          ["screen", "--preset", "tiny", "--set", "data.source=shards", "--set", f"data.dir={args.data}"]),
     ]
