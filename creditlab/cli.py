@@ -373,6 +373,9 @@ def cmd_compare(args) -> int:
         run.check()
         print_config(run.base)
         run.start()
+        if args.experiment:  # the file as given, beside the experiment it resolved to (which --resume reads)
+            from creditlab.protocol.records import copy_once
+            copy_once(args.experiment, out / "experiment-file.toml")
     if run is not None:
         try:
             result = run.run()

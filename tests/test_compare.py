@@ -511,6 +511,7 @@ def test_the_experiment_file_round_trips_and_runs_as_the_flags_do(tmp_path):
     (tmp_path / "run.toml").write_text(Experiment("tiny", ["native", "zero"], [1], overrides=SYNTH + NO_BUDGETS + [
         "train.updates=2"]).to_toml())
     assert cli.main(["compare", str(tmp_path / "run.toml"), "--out", str(tmp_path / "from_file"), "--no-progress"]) == 0
+    assert (tmp_path / "from_file" / "experiment-file.toml").read_bytes() == (tmp_path / "run.toml").read_bytes()
     assert _compare(tmp_path / "from_flags", "native,zero", seeds="1", sets=[*NO_BUDGETS, "train.updates=2"]) == 0
     plans = [json.loads((tmp_path / f / "plan.json").read_text()) for f in ("from_file", "from_flags")]
     assert plans[0] == plans[1]
