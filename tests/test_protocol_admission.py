@@ -1,10 +1,12 @@
-"""Admission: freezing sources, config and data manifest; verification that names what changed; the id rule;
-one verdict per admission with one repair."""
+"""Admission: freezing sources, config and data manifest by hash with the git commit; verification that names
+what changed and the commit to see it at; the id rule; one verdict per admission with one repair."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,20 @@ def tree(tmp_path):
     return make_tree(tmp_path / "repo")
 
 
+def git(root: Path, *args: str) -> str:
+    identity = ["-c", "user.name=creditlab", "-c", "user.email=creditlab@localhost"]
+    return subprocess.run(["git", "-C", str(root), *identity, *args], check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def committed(root: Path) -> str:
+    """root made a git checkout with every file committed; returns the commit."""
+    git(root, "init", "-q")
+    git(root, "add", "-A")
+    git(root, "commit", "-q", "-m", "tree")
+    return git(root, "rev-parse", "HEAD")
+
+
 def cfg_for(tmp_path, *overrides):
     return config.load("tiny", [f"train.out_dir={tmp_path / 'runs'}", *overrides])
 
@@ -45,11 +61,13 @@ def test_admission_freezes_sources_config_and_says_no_manifest_applies(tmp_path,
                       "creditlab/credit/sources.py": "source", "config.json": "config"}
     assert a.dir == tmp_path / "runs" / "admissions" / a.id
     assert a.meta["data"]["applies"] is False and "synthetic" in a.meta["data"]["why"]
-    # Every file's SHA256, and a byte-identical copy of it in the admission.
-    for f in a.files:
-        assert hashlib.sha256(a.copy_path(f).read_bytes()).hexdigest() == f.sha256
-    assert a.copy_path(next(f for f in a.files if f.role == "source" and f.path.endswith("model.py"))).read_text() \
-        == "WIDTH = 512\n"
+    # Every file's SHA256; only the config is kept in the admission (an admitted run reads it from there).
+    assert sorted(p.name for p in a.dir.iterdir()) == [adm.ADMISSION_FILE, adm.CONFIG_PATH]
+    assert {f.path: f.sha256 for f in a.files}["creditlab/model.py"] == hashlib.sha256(b"WIDTH = 512\n").hexdigest()
+    config_entry = next(f for f in a.files if f.role == "config")
+    assert a.config_path == a.dir / adm.CONFIG_PATH
+    assert hashlib.sha256(a.config_path.read_bytes()).hexdigest() == config_entry.sha256
+    assert a.meta["format"] == adm.FORMAT and a.meta["git_sha"] is None  # the tree is no git checkout
     assert a.config_text == cfg.to_json() + "\n" and a.config().to_dict() == cfg.to_dict()
     # The id is the SHA256 of the canonical list.
     listing = sorted(({"path": f.path, "role": f.role, "sha256": f.sha256} for f in a.files), key=lambda d: d["path"])
@@ -90,17 +108,64 @@ def test_verification_passes_then_names_every_mismatch(tmp_path, tree):
         adm.verified_config(a, tree)
 
 
-def test_an_altered_frozen_copy_is_a_mismatch(tmp_path, tree):
+def test_the_admission_records_its_commit_and_a_source_mismatch_names_it(tmp_path, tree):
+    sha = committed(tree)
     a, _ = adm.admit(cfg_for(tmp_path), root=tree)
-    copy = a.dir / adm.FILES / "creditlab" / "model.py"
-    copy.write_text("WIDTH = 1\n")
-    (a.dir / adm.FILES / adm.CONFIG_PATH).write_text(cfg_for(tmp_path, "screen.updates=3").to_json() + "\n")
+    assert (a.commit, a.meta["git_dirty"], a.meta["git_sources_changed"]) == (sha, False, [])
+    assert adm.verify(a, tree).ok
+    (tree / "creditlab" / "model.py").write_text("WIDTH = 1024\n")
     v = adm.verify(a, tree)
-    status = {c.path: c.status for c in v.checks}
-    assert status["creditlab/model.py"] == "copy_changed"
-    assert status["config.json"] == "changed"  # the admitted config is the stored copy: it is what would run
-    with pytest.raises(adm.AdmissionMismatch, match=r"creditlab/model.py \(stored copy altered\)"):
+    assert not v.ok and v.commit == sha
+    assert v.summary().endswith(f"refusing to run: creditlab/model.py (changed since admission); the admission "
+                                f"froze them at commit {sha[:12]}: `git checkout {sha[:12]}` to see them, or "
+                                "admit again")
+    # The commit shows the frozen file: its bytes there hash to the listed SHA256.
+    at_commit = subprocess.run(["git", "-C", str(tree), "show", f"{sha[:12]}:creditlab/model.py"],
+                               check=True, capture_output=True).stdout
+    assert hashlib.sha256(at_commit).hexdigest() == {f.path: f.sha256 for f in a.files}["creditlab/model.py"]
+    # A source uncommitted at admission is named: the commit does not show it as it was frozen.
+    (tree / "creditlab" / "credit" / "sources.py").write_text("SOURCES = ('exact', 'zero')\n")
+    b, _ = adm.admit(cfg_for(tmp_path), root=tree)
+    assert b.meta["git_dirty"] is True
+    assert b.meta["git_sources_changed"] == ["creditlab/credit/sources.py", "creditlab/model.py"]
+    (tree / "creditlab" / "model.py").write_text("WIDTH = 512\n")
+    with pytest.raises(adm.AdmissionMismatch, match=rf"commit {sha[:12]}.*at admission 2 source file\(s\) differed "
+                                                    r"from that commit: creditlab/credit/sources.py"):
+        adm.verified_config(b, tree)
+
+
+def test_an_altered_admitted_config_is_a_mismatch(tmp_path, tree):
+    a, _ = adm.admit(cfg_for(tmp_path), root=tree)
+    a.config_path.write_text(cfg_for(tmp_path, "screen.updates=3").to_json() + "\n")
+    v = adm.verify(a, tree)
+    assert {c.path: c.status for c in v.checks}["config.json"] == "changed"  # the admitted config is what would run
+    assert "git checkout" not in v.summary()  # the config is the admission's own, not the checkout's
+    with pytest.raises(adm.AdmissionMismatch, match=r"config.json \(changed since admission\)"):
         adm.verified_config(a, tree)
+    a.config_path.unlink()
+    assert {c.path: c.status for c in adm.verify(a, tree).checks}["config.json"] == "missing"
+
+
+def test_an_admission_with_copies_verifies_against_its_list_and_reads_only_its_config(tmp_path, tree):
+    """An admission made when admissions held files/, a copy of every frozen file but the shards."""
+    a, _ = adm.admit(cfg_for(tmp_path), root=tree)
+    copies = a.dir / adm.LEGACY_FILES
+    for f in a.files:
+        if f.role == "source":
+            (copies / f.path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(tree / f.path, copies / f.path)
+    shutil.move(a.dir / adm.CONFIG_PATH, copies / adm.CONFIG_PATH)
+    old = adm.load(a.dir)
+    assert old.config_path == copies / adm.CONFIG_PATH
+    cfg, v = adm.verified_config(old, tree)
+    assert v.ok and cfg.to_dict() == cfg_for(tmp_path).to_dict()
+    (copies / "creditlab" / "model.py").write_text("WIDTH = 1\n")  # a copy is not read
+    (copies / "creditlab" / "credit" / "sources.py").unlink()
+    assert adm.verify(old, tree).ok
+    (tree / "creditlab" / "model.py").write_text("WIDTH = 1\n")  # the live file is
+    assert {c.path: c.status for c in adm.verify(old, tree).checks}["creditlab/model.py"] == "changed"
+    (copies / adm.CONFIG_PATH).write_text(cfg_for(tmp_path, "screen.updates=3").to_json() + "\n")
+    assert {c.path: c.status for c in adm.verify(old, tree).checks}["config.json"] == "changed"
 
 
 def test_an_altered_admission_listing_is_refused(tmp_path, tree):
@@ -183,7 +248,7 @@ def test_exclusive_holds_the_admission(tmp_path, tree):
         pass
 
 
-def test_cli_admit_json_and_refusal_on_an_altered_copy(tmp_path, capsys):
+def test_cli_admit_json_and_refusal_on_an_altered_config(tmp_path, capsys):
     out = tmp_path / "runs"
     assert cli.main(["admit", "--preset", "tiny", "--set", f"train.out_dir={out}", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
@@ -192,12 +257,13 @@ def test_cli_admit_json_and_refusal_on_an_altered_copy(tmp_path, capsys):
     a = adm.load(out / "admissions" / printed["admission"])
     n_sources = len(adm.source_paths(adm.package_root()))
     assert printed["files"] == len(a.files) and n_sources + 1 <= printed["files"] <= n_sources + 3
-    target = next(f for f in a.files if f.path == "creditlab/protocol/admission.py")
-    a.copy_path(target).write_text("# altered\n")
+    assert a.commit == adm.git_state(adm.package_root())["git_sha"]  # the package's own commit, or None
+    assert not (a.dir / adm.LEGACY_FILES).exists()  # no copy of the package
+    a.config_path.write_text(a.config_text.replace('"updates"', '"updates" ', 1))
     code = cli.main(["screen", "--admission", printed["admission"][:12], "--out-dir", str(out)])
     err = capsys.readouterr().err
     assert code == 2
-    assert "refused" in err and "creditlab/protocol/admission.py (stored copy altered)" in err
+    assert "refused" in err and "config.json (changed since admission)" in err
     assert not [p for p in out.iterdir() if "-screen-" in p.name]  # refused before any record
     # A config given alongside an admission is refused: an admitted screen runs the admitted config.
     assert cli.main(["screen", "--admission", printed["admission"], "--out-dir", str(out),
@@ -215,7 +281,7 @@ def test_an_edited_shard_is_refused_though_the_manifest_is_untouched(tmp_path, t
     frozen = {f.path: (f.role, f.sha256) for f in a.files if f.role == "data_shard"}
     assert frozen == {f"data/{f['name']}": ("data_shard", f["sha256"]) for f in listed}
     assert a.meta["counts"]["data_shard"] == len(listed) > 3
-    assert sorted(p.name for p in (a.dir / adm.FILES / "data").iterdir()) == ["manifest.json"]  # shards not copied
+    assert sorted(p.name for p in a.dir.iterdir()) == [adm.ADMISSION_FILE, adm.CONFIG_PATH]  # the rest by hash
     assert adm.verify(a, tree).ok
     shard = listed[0]["name"]
     raw = bytearray((data / shard).read_bytes())

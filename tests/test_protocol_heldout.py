@@ -55,3 +55,28 @@ def test_a_heldout_read_under_torchrun_is_refused_before_the_admission_is_read(t
     with pytest.raises(Exception) as one_process:  # past the refusal: the fake model file is read and fails
         ho.heldout(finished_run(tmp_path), a.id, tmp_path)
     assert "torchrun" not in str(one_process.value)
+
+
+def test_a_changed_source_is_refused_naming_the_commit_it_was_admitted_at(tmp_path, monkeypatch):
+    import subprocess
+
+    root = tmp_path / "repo"
+    (root / "creditlab").mkdir(parents=True)
+    (root / "creditlab" / "model.py").write_text("WIDTH = 512\n")
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(root), "-c", "user.name=creditlab",
+                               "-c", "user.email=creditlab@localhost", *args],
+                              check=True, capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-q", "-m", "tree")
+    sha = git("rev-parse", "HEAD")
+    monkeypatch.setattr(adm, "package_root", lambda: root)  # the package a read verifies is this tree
+    a, _ = adm.admit(config.load("tiny", [f"train.out_dir={tmp_path}"]))
+    assert a.commit == sha and ho.require_admission(a.id, tmp_path).id == a.id
+    (root / "creditlab" / "model.py").write_text("WIDTH = 256\n")
+    with pytest.raises(ho.HeldoutRefused, match=rf"creditlab/model.py \(changed since admission\); the admission "
+                                                rf"froze them at commit {sha[:12]}: `git checkout {sha[:12]}`"):
+        ho.heldout(finished_run(tmp_path), a.id, tmp_path)

@@ -272,8 +272,13 @@ def test_admitted_screen_one_verdict_one_repair(tmp_path, decisive):
     assert v.summary().startswith("3/3 frozen files match")
     assert first.verdict == "timing_miss" and first.result["mode"] == "admitted" and first.result["admission"] == a.id
     assert json.loads((first.record_dir / "config.json").read_text()) == cfg.to_dict()
+    # The admission keeps hashes only; the record holds the files the verification matched, byte for byte.
+    assert sorted(p.name for p in a.dir.iterdir() if not p.name.startswith(".")) == [
+        adm.ADMISSION_FILE, adm.CONFIG_PATH, adm.SCREENS, adm.VERDICTS]
     assert (first.record_dir / "frozen" / "creditlab" / "model.py").read_text() == "# creditlab/model.py\n"
     assert (first.record_dir / "frozen" / "config.json").read_text() == a.config_text
+    listed = json.loads((first.record_dir / "sources.json").read_text())["files"]
+    assert {f["path"]: f["sha256"] for f in listed} == {f.path: f.sha256 for f in a.files}
     assert "3/3 frozen files match" in (first.record_dir / "report.md").read_text()
     assert [x["record_dir"] for x in adm.verdicts(a)] == [str(first.record_dir)]
 

@@ -6,9 +6,12 @@ An admission lists every file a run depends on, each with its SHA256:
 * the resolved config, written as canonical JSON into the admission itself (role `config`, `config.json`);
 * the prepared data's `manifest.json` (role `data_manifest`), which itself lists every shard's SHA256; with
   `data.source=synthetic` there is no file to freeze and the admission says so;
-* every shard that manifest lists (role `data_shard`, path `data/<shard name>`), hashed but not copied: shards
-  are large, and the frozen manifest already says what they must be. A shard that does not match its manifest
-  is refused at admission.
+* every shard that manifest lists (role `data_shard`, path `data/<shard name>`). A shard that does not match
+  its manifest is refused at admission.
+
+Only the config is kept in the admission (a run under it reads its config from there); every other file is
+frozen by its SHA256 alone, with the git commit the package sources were admitted at (and whether they then
+differed from it) beside the list: the commit is where the frozen sources can be seen again.
 
 The admission id is the SHA256 of that list (path, role, sha256; canonical JSON), so the same inputs always
 give the same id, and admitting them again finds the admission (and its verdict) already there. Inputs that
@@ -17,19 +20,22 @@ same experiment: admitting them finds the earlier admission of that experiment i
 with its verdict, instead of opening a second one. Layout:
 
     <train.out_dir>/admissions/<id>/
-        admission.json   the list and what it was made from; written last
-        files/...        a copy of every frozen file but the shards, byte for byte
+        admission.json   the list, the git commit and what it was made from; written last
+        config.json      the admitted config
         verdicts.jsonl   one line per verdict reached under this admission (append-only)
         screens.jsonl    a `started` line per screen started under it, with its record folder, written before
                          it measures anything, and a `finished` line when it ends (append-only): a screen
                          killed before its verdict is one started and never finished
 
-A run under an admission verifies every frozen file (the live file and the stored copy against the listed
-SHA256; shards have no copy, and their digests may come from the data folder's hash cache, see
-creditlab/data/integrity.py; package sources added since admission count as mismatches) and refuses to start
-on any mismatch, naming the files. One verdict per admission: a second screen is refused, except one `repair` (for a
-correctness mismatch), which the records mark. A screen after attempts that reached no verdict (killed,
-interrupted, failed) is a retry, and its record and verdict name those attempts.
+Admissions of format /1 also hold `files/`, a copy of every frozen file but the shards; their config is read
+from `files/config.json`, and the other copies are not read: the live files are checked against the list.
+
+A run under an admission verifies every frozen file (the live file against the listed SHA256; the digests of
+shards may come from the data folder's hash cache, see creditlab/data/integrity.py; package sources added since
+admission count as mismatches) and refuses to start on any mismatch, naming the files and, for sources, the
+commit to check out to see them as they were frozen. One verdict per admission: a second screen is refused,
+except one `repair` (for a correctness mismatch), which the records mark. A screen after attempts that reached
+no verdict (killed, interrupted, failed) is a retry, and its record and verdict name those attempts.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import hashlib
 import json
 import os
 import secrets
+import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -49,16 +56,15 @@ from creditlab.data.integrity import DigestCache, shard_problems
 from creditlab.protocol.records import append_jsonl, canonical_json, read_json, read_jsonl, sha256_file, \
     write_bytes_once, write_once
 
-FORMAT = "creditlab-admission/1"
+FORMAT = "creditlab-admission/2"  # /1: with files/, a copy of every frozen file but the shards
 ADMISSIONS = "admissions"
 ADMISSION_FILE = "admission.json"
-FILES = "files"
+LEGACY_FILES = "files"  # the copies admissions of format /1 hold; only their config.json is read
 VERDICTS = "verdicts.jsonl"
 SCREENS = "screens.jsonl"
 CONFIG_PATH = "config.json"
 MANIFEST_PATH = "data/manifest.json"
 DATA_PREFIX = "data/"  # shards are listed as data/<shard name>
-UNCOPIED = ("data_shard",)  # roles frozen by hash only
 ROLES = ("source", "config", "data_manifest", "data_shard")
 PACKAGE = "creditlab"
 
@@ -80,7 +86,7 @@ class AdmissionConsumed(AdmissionError):
 
 @dataclass(frozen=True)
 class FrozenFile:
-    path: str  # as listed, and under files/ (but shards): creditlab/..., config.json, data/manifest.json
+    path: str  # as listed: creditlab/..., config.json, data/manifest.json, data/<shard name>
     role: str  # source | config | data_manifest | data_shard
     sha256: str
 
@@ -96,14 +102,23 @@ class Admission:
     cosmetic_differences: dict = field(default_factory=dict)
 
     @property
+    def config_path(self) -> Path:
+        """The admitted config: config.json, or files/config.json in an admission of format /1."""
+        path = self.dir / CONFIG_PATH
+        legacy = self.dir / LEGACY_FILES / CONFIG_PATH
+        return legacy if not path.exists() and legacy.exists() else path
+
+    @property
     def config_text(self) -> str:
-        return (self.dir / FILES / CONFIG_PATH).read_text()
+        return self.config_path.read_text()
 
     def config(self) -> Config:
         return Config.from_dict(json.loads(self.config_text))
 
-    def copy_path(self, entry: FrozenFile) -> Path:
-        return self.dir / FILES / entry.path
+    @property
+    def commit(self) -> str | None:
+        """The git commit the package sources were admitted at (None outside a git checkout)."""
+        return self.meta.get("git_sha")
 
 
 # ---- what is frozen ----------------------------------------------------------------------------------------
@@ -140,8 +155,33 @@ def admission_id(files: list[FrozenFile]) -> str:
     return hashlib.sha256(canonical_json(listing).encode()).hexdigest()
 
 
+def _git(root: Path, *args: str) -> str | None:
+    """git's output in root (unstripped: a status line may begin with a space), or None where git fails."""
+    try:
+        out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def git_state(root: str | os.PathLike) -> dict:
+    """The git commit of the checkout holding root, whether its tracked files differ from it (`git_dirty`), and
+    which package sources differ from it or are not in it (`git_sources_changed`: the frozen sources are that
+    commit's byte for byte when it is empty). All None outside a git checkout."""
+    root = Path(root)
+    sha = (_git(root, "rev-parse", "HEAD") or "").strip()
+    if not sha:
+        return {"git_sha": None, "git_dirty": None, "git_sources_changed": None}
+    dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
+    package = _git(root, "status", "--porcelain", "--untracked-files=all", "--", PACKAGE)
+    changed = None if package is None else sorted(
+        line[3:].split(" -> ")[-1] for line in package.splitlines() if line[3:].endswith(".py"))
+    return {"git_sha": sha, "git_dirty": None if dirty is None else bool(dirty.strip()),
+            "git_sources_changed": changed}
+
+
 def _payloads(cfg: Config, root: Path) -> dict[str, tuple[str, bytes]]:
-    """path -> (role, bytes): every frozen file, each read once (the hash and the copy are of the same bytes)."""
+    """path -> (role, bytes): every frozen file but the shards, each read once."""
     out = {rel: ("source", (root / rel).read_bytes()) for rel in source_paths(root)}
     if not out:
         raise AdmissionError(f"no package sources under {root / PACKAGE}; is {root} the repository root?")
@@ -177,8 +217,6 @@ def admit(cfg: Config, out_dir: str | os.PathLike | None = None, root: str | os.
           preset: str | None = None, overrides: list[str] | tuple = ()) -> tuple[Admission, bool]:
     """Freeze sources, config, data manifest and shard hashes; returns (admission, created). Admitting the same inputs
     again returns the existing admission (created=False) with whatever verdicts it already holds."""
-    from creditlab import runtime as rt
-
     root = Path(root) if root is not None else package_root()
     payloads = _payloads(cfg, root)
     files = [FrozenFile(path, role, hashlib.sha256(data).hexdigest())
@@ -207,14 +245,13 @@ def admit(cfg: Config, out_dir: str | os.PathLike | None = None, root: str | os.
                  {"source": cfg.data.source, "manifest": None, "applies": False,
                   "why": "data.source=synthetic: a deterministic token stream with no files, so no manifest "
                          "applies; the config (frozen) fixes the stream"}),
-        "git_sha": rt.git_sha(), "git_dirty": rt.git_dirty(),
+        **git_state(root),
         "id_rule": "sha256 of canonical JSON of [{path, role, sha256}] sorted by path",
         "experiment": experiment, "cosmetic_keys": list(COSMETIC_KEYS),
     }
     staging = base / f".staging-{ident[:16]}-{secrets.token_hex(3)}"
     staging.mkdir()
-    for path, (_, data) in payloads.items():
-        write_bytes_once(staging / FILES / path, data)
+    write_bytes_once(staging / CONFIG_PATH, payloads[CONFIG_PATH][1])  # the one file kept: the rest by hash
     write_once(staging / ADMISSION_FILE, meta)  # last: a folder without admission.json is not an admission
     try:
         os.rename(staging, final)
@@ -315,14 +352,12 @@ def find(ref: str, out_dir: str | os.PathLike) -> Admission:
 class FileCheck:
     path: str
     role: str
-    status: str  # match | changed | missing | copy_changed | copy_missing | added
+    status: str  # match | changed | missing | added
     expected: str | None = None
     live: str | None = None  # SHA256 of the file the run would use
-    copy: str | None = None  # SHA256 of the stored copy
     where: str | None = None  # the live file checked
 
-    DESCRIBE = {"changed": "changed since admission", "missing": "missing", "added": "added since admission",
-                "copy_changed": "stored copy altered", "copy_missing": "stored copy missing"}
+    DESCRIBE = {"changed": "changed since admission", "missing": "missing", "added": "added since admission"}
 
     def describe(self) -> str:
         return f"{self.path} ({self.DESCRIBE.get(self.status, self.status)})"
@@ -332,6 +367,9 @@ class FileCheck:
 class Verification:
     admission: str
     checks: list[FileCheck]
+    commit: str | None = None  # the git commit the sources were admitted at
+    sources_changed: list[str] | None = None  # sources that differed from that commit at admission
+    dirty: bool | None = None  # whether the checkout differed from that commit at admission
 
     @property
     def frozen(self) -> int:
@@ -349,65 +387,79 @@ class Verification:
     def ok(self) -> bool:
         return not self.problems
 
+    def where_frozen(self) -> str | None:
+        """Where the frozen sources can be seen, when a source does not match; None when every source does."""
+        if not any(c.role == "source" for c in self.problems):
+            return None
+        if self.commit is None:
+            return "the admission recorded no git commit (its sources were not a git checkout): admit again"
+        sha = self.commit[:12]
+        where = f"the admission froze them at commit {sha}: `git checkout {sha}` to see them, or admit again"
+        if self.sources_changed:
+            where += (f" (at admission {len(self.sources_changed)} source file(s) differed from that commit: "
+                      + ", ".join(self.sources_changed[:5]) + (", ..." if len(self.sources_changed) > 5 else "")
+                      + "; the listed SHA256 is what was frozen)")
+        elif self.sources_changed is None and self.dirty:
+            where += " (the checkout had uncommitted changes at admission; the listed SHA256 is what was frozen)"
+        return where
+
     def summary(self) -> str:
         head = f"{self.matched}/{self.frozen} frozen files match admission {self.admission[:16]}"
         if self.ok:
             return head
-        return head + "; refusing to run: " + ", ".join(c.describe() for c in self.problems)
+        where = self.where_frozen()
+        return (head + "; refusing to run: " + ", ".join(c.describe() for c in self.problems)
+                + (f"; {where}" if where else ""))
 
     def to_json(self) -> dict:
         return {"admission": self.admission, "frozen": self.frozen, "matched": self.matched, "ok": self.ok,
-                "summary": self.summary(), "checks": [asdict(c) for c in self.checks]}
+                "commit": self.commit, "summary": self.summary(), "checks": [asdict(c) for c in self.checks]}
 
 
 def _sha_or_none(path: Path) -> str | None:
     return sha256_file(path) if path.is_file() else None
 
 
-def verify(adm: Admission, root: str | os.PathLike | None = None) -> Verification:
-    """Check every frozen file: the file the run will use and the stored copy, against the listed SHA256.
+def live_path(adm: Admission, entry: FrozenFile, root: str | os.PathLike | None = None,
+              cfg: Config | None = None) -> Path | None:
+    """The file a run under the admission uses for a frozen entry: a source at root/path; the config in the
+    admission itself (an admitted run reads its config from there); the data manifest and shards where the
+    admitted config's data.dir points from here (None when the config cannot be read)."""
+    root = Path(root) if root is not None else package_root()
+    if entry.role == "source":
+        return root / entry.path
+    if entry.role == "config":
+        return adm.config_path
+    cfg = cfg if cfg is not None else _config_or_none(adm)
+    if cfg is None:
+        return None
+    if entry.role == "data_shard":
+        return Path(cfg.data.dir) / entry.path.removeprefix(DATA_PREFIX)
+    return manifest_file(cfg)
 
-    Live files: a source at root/path; the config is the stored copy itself (an admitted run reads its
-    config from the admission); the data manifest and shards where the frozen config's data.dir points from
-    here."""
+
+def verify(adm: Admission, root: str | os.PathLike | None = None) -> Verification:
+    """Check every frozen file the run will use against its listed SHA256 (see live_path). A copy in an
+    admission of format /1 is not read (but its config)."""
     root = Path(root) if root is not None else package_root()
     cfg = _config_or_none(adm) if any(f.role.startswith("data_") for f in adm.files) else None
     shard_cache = DigestCache(cfg.data.dir) if cfg is not None else None
     checks = []
     for f in adm.files:
-        copy = _sha_or_none(adm.copy_path(f)) if f.role not in UNCOPIED else None
-        if f.role == "source":
-            where = root / f.path
-        elif f.role == "config":
-            where = adm.copy_path(f)
-        elif f.role == "data_shard":
-            where = Path(cfg.data.dir) / f.path.removeprefix(DATA_PREFIX) if cfg is not None else None
-        else:
-            where = manifest_file(cfg) if cfg is not None else None
+        where = live_path(adm, f, root, cfg)
         if f.role == "data_shard":
             live = _cached_sha_or_none(shard_cache, where.name) if where is not None else None
         else:
             live = _sha_or_none(where) if where is not None else None
-        if live is None:
-            status = "missing"
-        elif live != f.sha256:
-            status = "changed"
-        elif f.role in UNCOPIED:
-            status = "match"
-        elif copy is None:
-            status = "copy_missing"
-        elif copy != f.sha256:
-            status = "copy_changed"
-        else:
-            status = "match"
-        checks.append(FileCheck(f.path, f.role, status, f.sha256, live, copy, str(where) if where else None))
+        status = "missing" if live is None else "changed" if live != f.sha256 else "match"
+        checks.append(FileCheck(f.path, f.role, status, f.sha256, live, str(where) if where else None))
     if shard_cache is not None:
         shard_cache.save()
     listed = {f.path for f in adm.files if f.role == "source"}
     for rel in source_paths(root):
         if rel not in listed:
-            checks.append(FileCheck(rel, "source", "added", None, sha256_file(root / rel), None, str(root / rel)))
-    return Verification(adm.id, checks)
+            checks.append(FileCheck(rel, "source", "added", None, sha256_file(root / rel), str(root / rel)))
+    return Verification(adm.id, checks, adm.commit, adm.meta.get("git_sources_changed"), adm.meta.get("git_dirty"))
 
 
 def _cached_sha_or_none(cache: DigestCache | None, name: str) -> str | None:
@@ -432,7 +484,7 @@ def verified_config(adm: Admission, root: str | os.PathLike | None = None) -> tu
     cfg = adm.config()
     if config_text(cfg) != adm.config_text:
         raise AdmissionError(f"the admitted config does not round-trip through this package's Config "
-                             f"({adm.copy_path(FrozenFile(CONFIG_PATH, 'config', ''))}); admit again")
+                             f"({adm.config_path}); admit again")
     return cfg, verification
 
 

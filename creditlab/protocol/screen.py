@@ -472,14 +472,19 @@ class _Screen:
 
 
 def _copy_sources(record: Path, admission: adm_mod.Admission | None, root: Path) -> dict:
-    """Copy the frozen files (admitted) or the current package sources (exploratory) into the record."""
+    """Copy the frozen files (admitted: the live files the verification just matched, the admission keeping
+    their hashes only) or the current package sources (exploratory) into the record."""
     listing = []
     if admission is not None:
+        cfg = admission.config()
         for f in admission.files:
-            if f.role in adm_mod.UNCOPIED:  # shards: the admission keeps their hashes only (verified before this)
+            if f.role == "data_shard":  # the admission keeps their hashes only (verified before this)
                 listing.append({"path": f.path, "role": f.role, "sha256": f.sha256, "copied": False})
                 continue
-            sha = copy_once(admission.copy_path(f), record / "frozen" / f.path)
+            sha = copy_once(adm_mod.live_path(admission, f, root, cfg), record / "frozen" / f.path)
+            if sha != f.sha256:
+                raise adm_mod.AdmissionError(f"{f.path} changed while the screen started (SHA256 {sha[:16]}, "
+                                             f"admitted {f.sha256[:16]}); restore it or admit again")
             listing.append({"path": f.path, "role": f.role, "sha256": sha})
         folder = "frozen"
     else:
