@@ -18,4 +18,6 @@ if [ "${SCREENS:-all}" != admitted ]; then
   $cli screen "${common[@]}" --set screen.memory_cap_mib=24111 --set credit.materialized=true 2>&1 \
     | tee "$out/screen_24gb_materialized.log" | tail -4
 fi
-tar czf "$out/screen_records.tgz" -C "$runs" .
+# The records without the copies of the package a screen keeps beside them (frozen/, source/): the admission's
+# hashes and git commit name the sources.
+tar czf "$out/screen_records.tgz" --exclude='*/frozen' --exclude='*/source' -C "$runs" .

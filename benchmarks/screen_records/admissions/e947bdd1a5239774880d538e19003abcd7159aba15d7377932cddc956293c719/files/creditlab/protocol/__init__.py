@@ -1,1 +1,0 @@
-"""The protocol: admissions (frozen inputs), run records, the resource screen and its gates."""
