@@ -2,7 +2,9 @@
 
     python benchmarks/arms.py --out DIR --arms native,zero [--preset seed] [--updates 12] [--set k=v ...]
 
-An arm is a name from ARMS (a set of config overrides). Each arm starts from the same state-dict bytes and
+An arm is a label of the arm registry (creditlab/arms.py), as `creditlab compare` takes it: `native`, `zero`,
+`learned` (one teacher update in four), `learned@credit.teacher_every=0` (synthetic updates alone),
+`native@model.head=fp8`, `sketch@credit.sketch_rank=16`. Each arm starts from the same state-dict bytes and
 reads the same micro-batches; per update it records synchronized wall time, loss and peak memory. Results go
 to DIR/arms.json and DIR/arms.md (last-six medians, ratios against the first arm).
 
@@ -33,6 +35,7 @@ import torch._dynamo
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from creditlab import config as config_mod  # noqa: E402
+from creditlab.arms import parse_arm, parse_arms  # noqa: E402
 from creditlab import runtime as rt  # noqa: E402
 # rotation is re-exported: the order of a round is the runner's, one rule for the screen and this benchmark
 from creditlab.arms_runner import (OwnMemory, cuda_allocated, keep_compiled_side_by_side, rotation,  # noqa: E402,F401
@@ -41,100 +44,27 @@ from creditlab.arms_runner import round_ratio as runner_round_ratio  # noqa: E40
 from creditlab.data import SyntheticLoader  # noqa: E402
 from creditlab.train import Trainer, build_model, row_dict  # noqa: E402
 
-ARMS = {
-    "native": ["credit.source=exact"],
-    "zero": ["credit.source=zero"],
-    "learned": ["credit.source=learned", "credit.teacher_every=0"],
-    "learned_materialized": ["credit.source=learned", "credit.teacher_every=0", "credit.materialized=true"],
-    "learned_fused_decode": ["credit.source=learned", "credit.teacher_every=0", "credit.decode=fused"],
-    "teacher": ["credit.source=learned", "credit.teacher_every=1"],
-    "cycle": ["credit.source=learned", "credit.teacher_every=4"],  # the trained schedule: one teacher in four
-    "dfa": ["credit.source=dfa"],
-    "typed": ["credit.source=typed", "credit.teacher_every=0"],
-    "feedback": ["credit.source=fitted_feedback", "credit.teacher_every=0"],
-    "teacher_lstsq": ["credit.source=learned", "credit.teacher_every=1", "credit.fit=lstsq"],
-    "teacher_typed": ["credit.source=typed", "credit.teacher_every=1", "credit.fit=lstsq"],
-    "teacher_feedback": ["credit.source=fitted_feedback", "credit.teacher_every=1", "credit.fit=lstsq"],
-    "native_plain": ["credit.source=exact", "model.mlp=plain", "model.qk=plain", "model.norm=plain",
-                     "model.recompute=none"],
-    "dfa_calibrated": ["credit.source=dfa", "credit.dfa_scale=calibrated", "credit.teacher_every=0"],
-    "teacher_dfa_calibrated": ["credit.source=dfa", "credit.dfa_scale=calibrated", "credit.teacher_every=1"],
-    "fdfa": ["credit.source=fdfa", "credit.teacher_every=0"],
-    "teacher_fdfa": ["credit.source=fdfa", "credit.teacher_every=1"],  # exact backward + the forward-mode pass
-    "sketch16": ["credit.source=sketch", "credit.sketch_rank=16"],
-    "sketch32": ["credit.source=sketch", "credit.sketch_rank=32"],
-    "sketch64": ["credit.source=sketch", "credit.sketch_rank=64"],
-}
-
-
-# Modifiers join an arm with "+": `native+keep_mlp+tuned` is native, keeping ReLU^2, with tuned kernels.
-MODIFIERS = {
-    "tuned": ["train.compile_mode=coordinate-descent"],
-    "autotune": ["train.compile_mode=max-autotune-no-cudagraphs"],
-    "autotune_gemm": ["train.compile_mode=autotune-gemm"],  # the compiler's products alone autotuned
-    "eager": ["train.compile=off"],
-    "plain_mlp": ["model.mlp=plain", "model.recompute=mlp"],  # ReLU^2 op by op, recomputed (the earlier default)
-    "fused_qk": ["model.qk=fused"],
-    "plain_qk": ["model.qk=plain"],  # QK-norm and rotary op by op (the earlier default)
-    "product_qk": ["model.qk=product"],  # QK-norm and rotary in the Q/K/V product's epilogue
-    "gluon_qk": ["model.qk=product", "model.qk_kernel=gluon"],  # ... the product as the Gluon kernel (Hopper)
-    "triton_qk": ["model.qk=product", "model.qk_kernel=triton"],  # ... as the Triton kernel
-    # ... with each tile's epilogue beside the next tile's products
-    "overlapped_qk": ["model.qk=product", "model.qk_kernel=gluon_overlapped"],
-    "fused_gate": ["model.attn_gate=fused"],  # the attention gate's thin product one pass each way
-    "plain_gate": ["model.attn_gate=plain"],  # ... as three cuBLAS products (the earlier default)
-    "norm_keeps_output": ["model.norm=keep_output"],
-    "plain_norm": ["model.norm=plain"],  # norms as autograd records them, keeping their input (the earlier default)
-    # the recompute study of benchmarks/native_seed.md, on the plain modules it was made with
-    "keep_mlp": ["model.mlp=plain", "model.qk=plain", "model.norm=plain", "model.recompute=norm,qk"],
-    "keep_norm": ["model.mlp=plain", "model.qk=plain", "model.norm=plain", "model.recompute=qk,mlp"],
-    "keep_qk": ["model.mlp=plain", "model.qk=plain", "model.norm=plain", "model.recompute=norm,mlp"],
-    "keep_norm_qk": ["model.mlp=plain", "model.qk=plain", "model.norm=plain", "model.recompute=mlp"],
-    "recompute_all": ["model.recompute=all"],
-    "flash": ["train.sdpa=flash"],
-    "cudnn": ["train.sdpa=cudnn"],
-    "fit32": ["credit.fit_precision=float32"],
-    "plain_fit": ["credit.fit_rows=plain"],  # the teacher's regression op by op (the earlier default)
-    "merged_gates": ["credit.gates=merged"],  # attention branches' state gates inside their Q/K/V products
-    "separate_gates": ["credit.gates=separate"],
-    "pdl": ["train.compile_mode=pdl"],  # generated kernels launched as programmatic dependents
-    "grouped_muon": ["train.muon=grouped"],  # Muon's matrices of one shape orthogonalized together
-    "torch_muon": ["train.muon=torch"],  # torch.optim.Muon, one matrix after another
-    "fp8_head": ["model.head=fp8"],  # the head's three products on FP8 tensor cores (loss.py)
-    "no_prefetch": ["train.prefetch=false"],  # each update makes its first micro-batch after its opening sync
-    "plain_embed": ["model.embed=plain"],  # the embedding lookups' backward as autograd records it
-    "gluon_dgrad": ["model.mlp_dgrad=gluon"],  # the MLP's derivative product as the Gluon kernel (Hopper)
-    "triton_dgrad": ["model.mlp_dgrad=triton"],  # ... as the Triton kernel, the default before
-    "overlapped_dgrad": ["model.mlp_dgrad=gluon_overlapped"],  # ... its epilogue beside the next tile's products
-    "specialized_dgrad": ["model.mlp_dgrad=gluon_specialized"],  # ... its epilogue on warps of its own
-    "gluon_expand": ["model.mlp_expand=gluon"],  # the MLP's expansion as the Gluon kernel (Hopper)
-    "fused_embed": ["model.embed=fused"],  # the lookups' backward sorted and summed by token (embedding.py)
-    "fused_products": ["credit.products=fused"],  # the predictor's gate and decode as Triton kernels
-    "plain_products": ["credit.products=plain"],  # ... as cuBLAS products beside the compiler's passes
-    "chunk4k": ["train.loss_chunk=4096"],
-    "chunk16k": ["train.loss_chunk=16384"],
-    "budget07": ["train.activation_budget=0.7"],
-    "budget05": ["train.activation_budget=0.5"],
-}
-
-
 SCHEDULES = {
     "interleaved": "arms interleaved (one update of each per round, order rotated each round), all resident; "
                    "peak allocated counts an arm's own bytes, reserved memory is shared",
-    "overlapped": "arms interleaved as above, each update queued before the one before it (another arm's) is "
-                  "read, as `creditlab train` runs with train.overlap: the GPU never waits for the host between "
-                  "updates, and each update's time is the GPU's from CUDA events around its work",
     "sequential": "arms run one after another, each alone on the GPU",
 }
 
 
+def arm_names(text: str) -> list[str]:
+    """The arms of --arms: labels of the arm registry (creditlab/arms.py), as `creditlab compare` takes them."""
+    try:
+        return [spec.label for spec in parse_arms(text)]
+    except config_mod.ConfigError as exc:
+        raise SystemExit(str(exc)) from None
+
+
 def overrides_of(name: str) -> list[str]:
-    """The config overrides of an arm name: one ARMS entry, then any MODIFIERS joined with '+'."""
-    head, *mods = name.split("+")
-    unknown = [m for m in mods if m not in MODIFIERS] + ([head] if head not in ARMS else [])
-    if unknown:
-        raise SystemExit(f"unknown arm part(s) {unknown}; arms: {', '.join(ARMS)}; modifiers: {', '.join(MODIFIERS)}")
-    return ARMS[head] + [o for m in mods for o in MODIFIERS[m]]
+    """The config overrides of an arm label: its registry arm's, then its own (`name@section.key=value`)."""
+    try:
+        return list(parse_arm(name).overrides)
+    except config_mod.ConfigError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def state_bytes_sha(model: torch.nn.Module) -> str:
@@ -473,7 +403,7 @@ def memory_at_peak(trainer: Trainer, path: Path) -> None:
 
 
 def resident_parser(doc: str, arms: str, rounds: int) -> argparse.ArgumentParser:
-    """The arguments of a benchmark over resident arms (host_lead.py, overlap.py); a script adds its own."""
+    """The arguments of a benchmark over resident arms (host_lead.py); a script adds its own."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--out", required=True, help="output folder")
     ap.add_argument("--arms", default=arms)
@@ -502,7 +432,7 @@ def initial_state(base: config_mod.Config, runtime: rt.Runtime) -> dict:
 
 def build_resident(names: list[str], base: config_mod.Config) -> tuple[rt.Runtime, dict]:
     """Every arm of `names` built from one initialization, all resident and compiled side by side (the arms of
-    host_lead.py and overlap.py): (the runtime, {name: arm})."""
+    host_lead.py): (the runtime, {name: arm})."""
     runtime = rt.resolve(base.train)
     init_state = initial_state(base, runtime)
     keep_compiled_side_by_side()
@@ -569,19 +499,13 @@ class CollectorTime:
         return total
 
 
-def run_update(arm: dict, own: OwnMemory, collector: CollectorTime, in_flight: rt.InFlight | None = None) -> None:
+def run_update(arm: dict, own: OwnMemory, collector: CollectorTime) -> None:
     """One timed update of an arm, its memory peak counted as if it ran alone (see OwnMemory), and the time
-    Python's collector took during it. With `in_flight` (the overlapped schedule) the update is queued and its row
-    read once the next update (of any arm) is queued; the arm's wall time then counts the host's time to queue it
-    and to read the one before."""
+    Python's collector took during it."""
     collector.take()
     trainer = arm["trainer"]
     start = time.perf_counter()
-    if in_flight is None:
-        arm["rows"].append(own.update(arm["name"], trainer.train_update))
-    else:
-        in_flight.launch(lambda: own.update(arm["name"], trainer.queue_update),
-                         lambda queued: arm["rows"].append(trainer.read_update(queued)))
+    arm["rows"].append(own.update(arm["name"], trainer.train_update))
     arm["wall_s"] += time.perf_counter() - start
     arm.setdefault("gc_s", []).append(collector.take())
 
@@ -690,7 +614,7 @@ def _with_refresh(r: dict) -> list[dict]:
 
 def markdown(results: list[dict], meta: dict) -> str:
     base = results[0]["median_last6_s"]
-    paired = meta["schedule"] in ("interleaved", "overlapped")
+    paired = meta["schedule"] == "interleaved"
     lines = [f"GPU: {meta['env'].get('gpu')}, torch {meta['env']['torch']}, CUDA {meta['env']['cuda']}, "
              f"driver {meta['env'].get('driver')}; bf16 matmul rate measured in this run: "
              f"{_tflops(meta['matmul_tflops'])}; {meta['updates']} updates per arm, last-six medians; "
@@ -754,9 +678,8 @@ def main() -> int:
     ap.add_argument("--memory", default="", help="comma-separated arms whose memory peak to break down")
     ap.add_argument("--schedule", choices=tuple(SCHEDULES), default="interleaved",
                     help="interleaved: one update of each arm per round, all arms resident (drift in clocks and "
-                         "temperature falls on every arm alike); overlapped: the same with each update queued "
-                         "before the one before it is read (as `train` runs); sequential: each arm's updates back "
-                         "to back, alone on the GPU (per-arm reserved memory)")
+                         "temperature falls on every arm alike); sequential: each arm's updates back to back, alone "
+                         "on the GPU (per-arm reserved memory)")
     ap.add_argument("--resummarize", metavar="ARMS_JSON",
                     help="recompute the summaries and the table of a finished run from its stored rows (no GPU)")
     args = ap.parse_args()
@@ -764,8 +687,7 @@ def main() -> int:
         return resummarize(Path(args.resummarize))
     if not args.out:
         ap.error("--out is required")
-    for name in args.arms.split(","):
-        overrides_of(name)  # fail on a misspelt arm before any GPU time is spent
+    names = arm_names(args.arms)  # fail on a misspelt arm before any GPU time is spent
     out = rt.gpu_benchmark_folder(args.out)
     if out is None:
         return 2
@@ -777,7 +699,6 @@ def main() -> int:
     torch.cuda.empty_cache()
     meta = {"preset": args.preset, "overrides": args.overrides, "updates": args.updates, "schedule": args.schedule,
             "env": rt.environment(runtime), "matmul_tflops": base_peak, "config": base.to_dict()}
-    names = args.arms.split(",")
     profiled, traced = set(args.profile.split(",")), set(args.memory.split(","))
     results = {}
 
@@ -832,10 +753,7 @@ def main() -> int:
         # All arms resident at once (each keeps its parameters and optimizer state, about 1 GB at the seed
         # preset), through the package's arms runner, which the resource screen uses too.
         keep_compiled_side_by_side()
-        overlapped = args.schedule == "overlapped"
-        # Overlapped, the allocator's counts are read without waiting for the GPU: it counts on the host.
-        own = OwnMemory(torch.cuda.memory_allocated if overlapped else cuda_allocated, shared=True)
-        in_flight = rt.InFlight()
+        own = OwnMemory(cuda_allocated, shared=True)
         arms = {}
         for name in names:
             print(f"== build {name}", flush=True)
@@ -848,7 +766,7 @@ def main() -> int:
 
         def step(at) -> bool:
             try:
-                run_update(arms[at.arm], own, collector, in_flight if overlapped else None)
+                run_update(arms[at.arm], own, collector)
                 return True
             except torch.OutOfMemoryError as exc:
                 release(arms[at.arm])
@@ -859,14 +777,12 @@ def main() -> int:
 
         def after_round(r: int) -> None:
             if r == 1:  # the wall clock of the rounds the ratios are read on, against the updates' own times
-                in_flight.settle()
                 accounted["start"] = time.perf_counter()
-            print(f"round {r + 1}/{args.updates}: " + ", ".join(  # overlapped: the round's last row is not read
+            print(f"round {r + 1}/{args.updates}: " + ", ".join(
                 f"{n} {arms[n]['rows'][-1].seconds:.4f}" for n in live if n not in results and arms[n]["rows"]),
                 flush=True)
 
         run_rounds(live, args.updates, step, after_round=after_round)
-        in_flight.settle()
         if "start" in accounted and not results:  # every arm ran every round
             accounted["wall_s"] = time.perf_counter() - accounted.pop("start")
             accounted["updates_s"] = sum(r.seconds for n in live for r in arms[n]["rows"][2:])

@@ -1,5 +1,5 @@
 """The attention gate's thin product (gate_dim -> heads per token) at the seed shape: cuBLAS's three products
-(forward, input gradient, weight gradient) against the one-pass Triton kernels of `model.attn_gate=fused`
+(forward, input gradient, weight gradient) against the one-pass Triton kernels the model runs
 (kernels/thin_linear.py); alternated rounds in one process, each path's bf16 error against float64 first.
 
     python benchmarks/attention_gate.py --out DIR [--tokens 131072] [--width 512] [--gate-dim 12] [--heads 4]
@@ -21,10 +21,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fp8_head import checked_paths, error_text, failure_rows, ratio_text, round_summary  # noqa: E402
-from gate_decode import CALLS, graphed  # noqa: E402
 
 from creditlab.kernels import thin_linear  # noqa: E402
 from creditlab.runtime import gpu_benchmark_folder, write_benchmark  # noqa: E402
+
+CALLS = 20  # calls per graph replay
+
+
+def graphed(fn, calls: int = CALLS):
+    """fn() `calls` times as one CUDA graph replay (fn warmed up first, on a side stream as capture requires)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph.replay
 
 
 def main() -> int:

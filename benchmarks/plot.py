@@ -220,39 +220,6 @@ def plot_screens(records: Path, out: Path) -> Path:
     return _save(fig, out / "screen_seed.png")
 
 
-def overlap_rounds_ms(result: dict, skip: int = 2) -> dict[str, list[float]]:
-    """Per arm, and for the block's wall time per update, overlapped less settled in ms for each round after the
-    first `skip` (overlap.py's), leaving out the rounds in which the arm led its overlapped block (no time)."""
-    times, walls = result["times"], result["wall_per_update"]
-    series = {arm: [1e3 * (o - s) for o, s in zip(times["overlapped"][arm][skip:], times["settled"][arm][skip:])
-                    if o is not None] for arm in times["settled"]}
-    series["wall per update"] = [1e3 * (o - s) for o, s in zip(walls["overlapped"][skip:], walls["settled"][skip:])]
-    return series
-
-
-def plot_overlap(result_json: Path, out: Path, name: str) -> Path:
-    """`benchmarks/overlap.py`: per arm, the overlapped less the settled update time of each round, and the block's
-    wall time per update the same way, in ms, with the median and its 95% interval."""
-    result = json.loads(result_json.read_text())
-    series = overlap_rounds_ms(result)
-    summaries = {**{arm: r["overlapped_less_settled_ms"] for arm, r in result["arms"].items()},
-                 "wall per update": result["wall_overlapped_less_settled_ms"]}
-    fig, ax = plt.subplots(figsize=(6.4, 3.4))
-    for i, (label, values) in enumerate(series.items()):
-        ax.scatter([i] * len(values), values, s=12, color="#8c8c8c", alpha=0.6)
-        if summaries[label] is None:  # too few rounds for an interval (overlap.py's summary)
-            continue
-        median, low, high = summaries[label]
-        ax.errorbar([i + 0.15], [median], yerr=[[median - low], [high - median]], fmt="o", color="#c44e52",
-                    capsize=3, label=None if ax.get_legend_handles_labels()[1] else "median, 95% interval")
-    ax.axhline(0, color="black", lw=0.6)
-    ax.set_xticks(range(len(series)), list(series))
-    ax.set_ylabel("overlapped less settled, ms (each round)")
-    ax.set_title("the next update queued before this one is read, against settled", fontsize=9)
-    ax.legend(fontsize=7)
-    return _save(fig, out / name)
-
-
 def plot_kernel_bandwidth(bandwidth_json: Path, out: Path, name: str, top: int = 10) -> Path:
     """Per arm, the generated kernels furthest over the streaming rate: their time in the step against the time
     their bytes need at that rate (kernel_bandwidth.py)."""
@@ -716,7 +683,6 @@ def main() -> None:
     print(plot_gate_decode(results / "gate_decode_seed.json", out, "gate_decode_seed.png"))
     print(plot_kernel_bandwidth(results / "kernel_bandwidth_seed.json", out, "kernel_bandwidth_seed.png"))
     print(plot_host_lead(results / "host_lead_seed.json", out, "host_lead_seed.png"))
-    print(plot_overlap(results / "overlap_seed.json", out, "overlap_seed.png"))
     print(plot_step_gradients(results / "step_gradients_seed.json", out, "step_gradients_seed.png"))
     print(plot_kernel_classes({"native, before the fused modules": results / "profile_native_busy_seed.txt",
                                "native now": results / "profile_native_final_busy_seed.txt",

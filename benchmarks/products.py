@@ -37,7 +37,7 @@ def seed_shapes(tokens: int, chunk: int) -> list[tuple[str, int, int, int, bool]
     """(name, M, K, N, b_is_kn) of the seed model's plain products of one micro-batch."""
     m = config.load("seed").model
     d, hidden = m.width, m.mlp_hidden
-    vocab = -(-m.vocab_size // m.vocab_pad_multiple) * m.vocab_pad_multiple
+    vocab = m.padded_vocab
     return [("qkv forward", tokens, d, 3 * d, False), ("qkv input gradient", tokens, 3 * d, d, True),
             ("attention out forward", tokens, d, d, False), ("attention out input gradient", tokens, d, d, True),
             ("MLP out forward", tokens, hidden, d, False), ("MLP in input gradient", tokens, hidden, d, True),

@@ -1,7 +1,7 @@
-"""The Q/K/V product with QK-norm and rotary in its epilogue (kernels/qkv_rotary.py, `model.qk=product`; on Hopper
-also the Gluon kernel, kernels/qkv_hopper.py, `model.qk_kernel=gluon`, at four tilings) against the step's forward with
-`model.qk=fused` (the cuBLAS product, then the one-pass QK-norm kernel) at the seed shape; alternated rounds in one
-process, each path's bf16 error against float64 first.
+"""The Q/K/V product with QK-norm and rotary in its epilogue (kernels/qkv_rotary.py, the step's; on Hopper also the
+Gluon kernel, kernels/qkv_hopper.py, which the step runs there, at four tilings) against the cuBLAS product followed
+by the one-pass QK-norm kernel (what a source that forms the product itself runs) at the seed shape; alternated
+rounds in one process, each path's bf16 error against float64 first.
 
     python benchmarks/qkv_rotary.py --out DIR [--batch 64] [--seq 2048] [--heads 4] [--head-dim 128]
 
@@ -53,7 +53,7 @@ def main() -> int:
         q, k, v, _ = qk_kernels.qk_norm_rotary_forward((x @ w.t()).view(B, T, 3 * d), rot.cos, rot.sin, H)
         return q, k, v
 
-    paths = [("the step's model.qk=fused: cuBLAS product, then the QK-norm kernel", then_kernel, want),
+    paths = [("cuBLAS product, then the QK-norm kernel", then_kernel, want),
              ("cuBLAS product alone", lambda: x @ w.t(), None),
              ("Triton product alone, no epilogue (relu2_matmul's loop)", lambda: rm.matmul(x, w, False), None)]
     for tiles in TILES:
@@ -70,20 +70,9 @@ def main() -> int:
                                     stages=qkv_hopper.STAGES, post_step=qkv_hopper.POST_STEP)
             paths.append((f"Gluon product + QK-norm epilogue: {qkv_hopper.BLOCK_M} x {heads * hd} x "
                           f"{qkv_hopper.BLOCK_K}, groups of {group}, {stages} stages, previous store waited for at K "
-                          f"step {post_step}{' (model.qk_kernel=gluon)' if chosen else ''}",
+                          f"step {post_step}{' (what the step runs)' if chosen else ''}",
                           lambda t=tiling: tuple(qkv_hopper.qkv_norm_rotary(
                               x, w, rot.cos, rot.sin, H, T, 1e-6, **t)[0].view(3, B, T, H, hd)), want))
-        # the epilogue's other forms, the default tiling: tiles of v stored as the product made them; the same with
-        # the rotary tables read before the tile's products
-        for epilogue, label in ((qkv_hopper.EPILOGUE_BRANCH_FREE, "every tile through the same arithmetic"),
-                                (qkv_hopper.EPILOGUE_V_AS_IS, "tiles of v stored as the product made them"),
-                                (qkv_hopper.EPILOGUE_TABLES_EARLY, "tiles of v as made, rotary tables read before "
-                                                                   "the tile's products"),
-                                (qkv_hopper.EPILOGUE_OVERLAPPED, "each tile's epilogue in 32-row pieces during the "
-                                                                 "next tile's products")):
-            paths.append((f"Gluon product + QK-norm epilogue, default tiling: {label}",
-                          lambda e=epilogue: tuple(qkv_hopper.qkv_norm_rotary(
-                              x, w, rot.cos, rot.sin, H, T, 1e-6, epilogue=e)[0].view(3, B, T, H, hd)), want))
         # one warpgroup a program, two programs a multiprocessor (as benchmarks/relu2_hopper.py's)
         two = 2 * multiprocessors(x.device.index or 0)
         for bm, heads, stages in ((64, 2, 2), (128, 1, 2)):
@@ -98,10 +87,10 @@ def main() -> int:
               "heads": H, "paths": {}, "failures": failures}
     lines = [f"# The Q/K/V product and QK-norm + rotary, {M:,} tokens x {d} -> 3 x {d}, {H} heads, bf16 "
              f"({torch.cuda.get_device_name()}, torch {torch.__version__})", "",
-             "Ten alternated rounds of five calls, all paths in one process; ms per call. Ratio: over the step's "
-             "model.qk=fused forward, round by round. Error: q, k, v, each the largest entry's difference from "
+             "Ten alternated rounds of five calls, all paths in one process; ms per call. Ratio: over the cuBLAS "
+             "product then the QK-norm kernel, round by round. Error: q, k, v, each the largest entry's difference from "
              "float64 over the float64 result's largest entry.", "",
-             "| path | ms | TFLOP/s of the product | over qk=fused, per round (range) | bf16 error q, k, v |",
+             "| path | ms | TFLOP/s of the product | over the product then the kernel, per round (range) | bf16 error q, k, v |",
              "|---|---|---|---|---|"]
     for name in times:
         r = round_summary(times[name], times[base["forward"]])

@@ -21,7 +21,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fp8_head import checked_paths, error_text, failure_rows, ratio_text, round_summary  # noqa: E402
 from relu2_mlp import mlp_problem  # noqa: E402
 
-from creditlab.kernels import relu2_dgrad_apart as apart  # noqa: E402
 from creditlab.kernels import relu2_hopper as hopper  # noqa: E402
 from creditlab.kernels._triton import multiprocessors  # noqa: E402
 from creditlab.kernels import relu2_matmul as rm  # noqa: E402
@@ -58,27 +57,6 @@ def main() -> int:
                                 lambda s=post_step, g=group: hopper.relu2_dgrad(dy, w_proj, post, post_step=s,
                                                                                 group_m=g), want_dgrad))
     groups["dgrad"].append(("Gluon, no epilogue", lambda: hopper.relu2_dgrad(dy, w_proj, None), want_plain))
-    # Each tile's epilogue in row pieces, one after each K step of the next tile's products, its raw product
-    # waiting in shared memory (rounded to bf16 there) and its post rows read by plain loads a piece ahead
-    for rows in (16, 32):
-        groups["dgrad"].append((f"Gluon + derivative epilogue in {rows}-row pieces beside the next tile's products",
-                                lambda r=rows: apart.relu2_dgrad(dy, w_proj, post, "overlapped", piece_rows=r),
-                                want_dgrad))
-    # The epilogue on a warpgroup of its own (at 152 or 88 registers a thread), the products' warps handing it each
-    # tile through shared memory
-    for rows, warps, registers in ((16, 4, 152), (8, 4, 88)):
-        groups["dgrad"].append((f"Gluon + derivative epilogue on {warps} warps of its own ({registers} registers), "
-                                f"{rows}-row pieces",
-                                lambda r=rows, e=warps, g=registers: apart.relu2_dgrad(
-                                    dy, w_proj, post, "specialized", piece_rows=r, epilogue_warps=e,
-                                    epilogue_registers=g), want_dgrad))
-    # The post tile in a buffer of its own, requested at the tile's first K step without waiting for the previous
-    # result's store (64 KB more shared memory: 2 stages of 64-wide K steps, or 4 of 32-wide ones)
-    for bk, stages in ((64, 2), (32, 4)):
-        tiling = dict(block_k=bk, stages=stages, post_step=0, separate_post=True)
-        groups["dgrad"].append((f"Gluon + derivative epilogue: post tile in its own buffer, requested at K step 0, "
-                                f"128 x 256 x {bk}, {stages} stages",
-                                lambda t=tiling: hopper.relu2_dgrad(dy, w_proj, post, **t), want_dgrad))
     # One warpgroup a program and two programs a multiprocessor, so that one program's epilogue can run beside
     # the other's products (the accumulator at most 64 x 256 or 128 x 128 at 255 registers a thread; two
     # programs' operand stages and tile buffers within the multiprocessor's shared memory).

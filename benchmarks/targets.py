@@ -62,9 +62,14 @@ def _row(target: Target, last_six: float | None = None, last_six_text: str = "-"
             "per_round_text": per_round_text}
 
 
+# The arms the targets read, by their registry labels (results written before the one registry named them
+# `learned` and `teacher`, and read the same)
+LABELS = {"learned@credit.teacher_every=0": "learned", "learned@credit.teacher_every=1": "teacher"}
+
+
 def evaluate(results: list[dict]) -> list[dict]:
     """One row per target: what was measured on each reading and its verdict."""
-    by_arm = {r["arm"]: r for r in results if "oom" not in r}
+    by_arm = {LABELS.get(r["arm"], r["arm"]): r for r in results if "oom" not in r}
     if "native" not in by_arm:
         raise SystemExit("the run has no native arm: every target is read against native")
     native = by_arm["native"]

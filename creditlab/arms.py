@@ -3,13 +3,15 @@
 An arm spec is a name, optionally with overrides of its own joined by '@':
 `learned`, `learned@credit.schedule=adaptive`, `sketch@credit.sketch_rank=16`, `zero@credit.schedule=fixed:4`
 (one native update in four, nothing injected in the others). The spec is the arm's label in
-records and reports. `intermittent` is native backprop given the GPU-seconds of a reference arm (compare.py
+records and reports. Every credit source is an arm of its own name (`exact`'s is `native`): `compare`, the
+resource screen and the arms benchmark read one registry. `intermittent` is native backprop given the GPU-seconds of a reference arm (compare.py
 derives its number of updates); it is built from the same parts as `native`, not special training code.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from creditlab import config as config_mod
@@ -25,25 +27,32 @@ class Arm:
     budgeted: bool = False  # its update count comes from a reference arm's GPU-seconds
 
 
-ARMS: dict[str, Arm] = {arm.name: arm for arm in (
-    Arm("native", ("credit.source=exact",), "exact backpropagation"),
-    Arm("oracle", ("credit.source=oracle",), "true corrections of the same batch injected (trains as native)"),
-    Arm("zero", ("credit.source=zero",), "the 16 products omitted, nothing injected"),
-    Arm("learned", ("credit.source=learned",), "learned predictor, one exact teacher update in credit.teacher_every"),
-    Arm("typed", ("credit.source=typed",), "learned predictor with its code laid out by branch kind (attention: "
-                                           "[m ; p], MLP: p of rank 2r)"),
-    Arm("fitted_feedback", ("credit.source=fitted_feedback",), "a full least-squares map of the terminal error "
-                                                                "per branch, fitted on teacher updates"),
-    Arm("dfa", ("credit.source=dfa",), "fixed random feedback of the terminal error (calibrated to the true "
-                                       "corrections' RMS on teacher updates with credit.dfa_scale=calibrated)"),
-    Arm("fdfa", ("credit.source=fdfa",), "feedback operators estimated from forward-mode directional derivatives "
-                                         "(no true gradients), on the schedule's exact updates"),
-    Arm("sketch", ("credit.source=sketch",), "the omitted product itself through a rank-k factor of its weight "
-                                             "(credit.sketch_rank)"),
-    Arm("dni", ("credit.source=dni",), "predicted from each branch's own state, fitted on teacher updates"),
-    Arm("intermittent", ("credit.source=exact",), "native backprop, fewer updates at the reference arm's "
-                                                  "GPU-seconds, its schedule fully decayed", budgeted=True),
-)}
+class _Registry(Mapping):
+    """The arms by name: `native` (the `exact` source), one arm per other credit source of credit/registry.py
+    (named as the source, its `about` line the source's), and `intermittent`. Built from the sources' registry
+    when first read, so a source registered there is an arm of every command, with no second list."""
+
+    def _arms(self) -> dict[str, Arm]:
+        if not hasattr(self, "_built"):
+            sources = [Arm(name, (f"credit.source={name}",), registry.source_class(name).about)
+                       for name in registry.SOURCES if name != "exact"]
+            self._built = {arm.name: arm for arm in (
+                Arm("native", ("credit.source=exact",), registry.source_class("exact").about), *sources,
+                Arm("intermittent", ("credit.source=exact",), "native backprop, fewer updates at the reference "
+                    "arm's GPU-seconds, its schedule fully decayed", budgeted=True))}
+        return self._built
+
+    def __getitem__(self, name: str) -> Arm:
+        return self._arms()[name]
+
+    def __iter__(self):
+        return iter(self._arms())
+
+    def __len__(self) -> int:
+        return len(self._arms())
+
+
+ARMS: Mapping[str, Arm] = _Registry()
 
 
 @dataclass(frozen=True)

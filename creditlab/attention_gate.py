@@ -1,4 +1,4 @@
-"""The attention gate's product, n[..., :gate_dim] W_gate^T per token, one pass each way (`model.attn_gate=fused`).
+"""The attention gate's product, n[..., :gate_dim] W_gate^T per token, one pass each way.
 
 A product of 12 channels into 4 per token is too thin for the tensor cores: cuBLAS spends three products (the
 forward, the input gradient and the weight gradient, the last split along the tokens with a reduction after it) of

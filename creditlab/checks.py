@@ -15,6 +15,8 @@ These are interface checks, not learning evidence.
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 from dataclasses import dataclass, field
 
@@ -32,7 +34,7 @@ TOLERANCE = 1e-10
 def seed_structure() -> ModelConfig:
     """The seed model's structure at a size the CPU checks in seconds: every parameter kind present."""
     return ModelConfig(layers=8, width=64, heads=4, mlp_hidden=256, seq_len=32, vocab_size=97, value_embeds=3,
-                       gate_dim=12, vocab_pad_multiple=8)
+                       gate_dim=12)
 
 
 def randomized_model(cfg: ModelConfig, seed: int) -> GPT:
@@ -83,9 +85,8 @@ class _WeightReads(TorchDispatchMode):
     by its input-gradient product dY W (its weight gradient dY^T n reads the activations), so the weights read
     are exactly the input-gradient products computed."""
 
-    # relu2_dgrad, relu2_dgrad_gluon: the fused MLP's projection input-gradient product (relu2.py), one operator
-    # each (model.mlp_dgrad); thin_linear_backward: the attention gate's input gradient (attention_gate.py,
-    # model.attn_gate=fused)
+    # relu2_dgrad, relu2_dgrad_gluon: the fused MLP's projection input-gradient product (relu2.py), the Triton and
+    # the Gluon operator; thin_linear_backward: the attention gate's input gradient (attention_gate.py)
     PRODUCTS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addmv", "mv", "relu2_dgrad", "relu2_dgrad_gluon",
                 "thin_linear_backward")
 
@@ -118,13 +119,15 @@ def intended_omission(model: GPT) -> set[str]:
     return {names[id(lin.weight)] for lin in model.branch_modules()}
 
 
-def omission_check(cfg: ModelConfig, seed: int, synthetic=None) -> dict:
+def omission_check(cfg: ModelConfig, seed: int, synthetic=None, op_by_op: bool = False) -> dict:
     """Native backprop reads every weight in its backward; the synthetic backward (`zero` unless another context
-    factory is given) must read all but the 16 intended ones: no more omitted, no fewer."""
+    factory is given) must read all but the 16 intended ones: no more omitted, no fewer. With `op_by_op`, the
+    model's fused modules in their op-by-op forms (GPT.op_by_op)."""
     model = randomized_model(cfg, seed)
     idx, targets = _batch(cfg, seed)
-    native = products_read_in_backward(model, idx, targets, ExactCredit())
-    omitting = products_read_in_backward(model, idx, targets, (synthetic or ZeroSource().step)())
+    with model.op_by_op() if op_by_op else contextlib.nullcontext():
+        native = products_read_in_backward(model, idx, targets, ExactCredit())
+        omitting = products_read_in_backward(model, idx, targets, (synthetic or ZeroSource().step)())
     omitted, expected = native - omitting, intended_omission(model)
     return {"omitted": len(omitted), "expected": len(expected),
             "omitted_but_not_intended": sorted(omitted - expected),

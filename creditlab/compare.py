@@ -8,10 +8,10 @@ a comparison runs what judging them needs (arms.resolve_arms):
 
 * **native budgets** (compare.native_budgets): native backprop at several fractions of train.updates, each with
   its learning rate fully decayed within its own budget. Their (GPU-seconds, DEV loss) points are native's
-  curve, from which each arm's speedup is read (verdict.py). With compare.fork_budgets the shorter budgets
-  continue the longest one's run from the update where their learning rates part (the start of their own
-  cooldown) instead of repeating the updates before it: the same computation, so the same numbers as separate
-  runs on the CPU (tested), fewer updates.
+  curve, from which each arm's speedup is read (verdict.py). The shorter budgets continue the longest one's run
+  after the last update at which their learning rates equal its (their own cooldown starts there) instead of
+  repeating the updates before it: the same computation, so the same numbers as separate runs on the CPU
+  (tested), fewer updates.
 * **fair floors** (compare.floors): each arm with exact updates is judged against `zero` under the same
   schedule, so that what prediction adds is not confounded with the exact updates it gets.
 
@@ -25,7 +25,8 @@ the median seconds times the count, the kind's first update (which compiles) lef
 what the rows say (native, synthetic, teacher, refresh): an update that does more work than the others of its
 kind is recorded as a kind of its own, so no work hides inside another kind's median.
 
-A comparison survives interruption: every arm's state is saved at evaluation points (compare.checkpoint_every);
+A comparison survives interruption: every arm's state is saved at evaluation points (or every
+train.checkpoint_every updates);
 Ctrl-C or SIGTERM ends the round, saves every arm where it stands and says how to go on; `compare --resume DIR`
 continues from there and ends with the numbers of an uninterrupted run (tested on the CPU).
 """
@@ -290,6 +291,7 @@ class CompareRun:
     experiment: Experiment
     out: Path
     progress: bool = True
+    fork_budgets: bool = True  # off: every native budget runs from the start (the tests' control of the fork)
     specs: list[ArmSpec] = field(default_factory=list)
     roles: dict[str, Role] = field(default_factory=dict)
     runs: dict = field(default_factory=dict)  # label -> {run key: summary}
@@ -503,12 +505,11 @@ class CompareRun:
             raise RuntimeError(f"native budgets never forked: {', '.join(pending)}")
 
     def checkpoint_every(self) -> int:
-        c = self.base.compare
-        return c.checkpoint_every or self.base.train.eval_every
+        return self.base.train.checkpoint_every or self.base.train.eval_every
 
     def forks(self, specs: list[ArmSpec], configs: dict) -> dict[str, tuple[str, int]]:
         """label -> (trunk label, shared updates) for the native budgets that continue the longest one's run."""
-        if not self.base.compare.fork_budgets:
+        if not self.fork_budgets:
             return {}
         budgets = [s for s in specs if self.roles[s.label].budget is not None]
         if len(budgets) < 2:

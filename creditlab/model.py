@@ -1,31 +1,33 @@
 """The GPT: a causal decoder in the style of the 2025 modded-nanogpt records, scaled to d8/w512.
 
 Read it top to bottom. Each block has two *branches*, attention and MLP; each reads `n = norm(x)` from the
-residual stream, taken through the credit context: `x, n, n_b = credit.normed_branch(b, x, norm)`, where n_b
-(`credit.branch(b, n)` unless the source fuses its work into the norm) is what the omitted product reads, and x
-the stream passed on (x itself unless the source's norm backward also adds the stream's gradient). The
-products the synthetic backward omits are the ones the credit context computes, `credit.product(b, n_b, W)`:
-the Q/K/V projection of attention and the expansion of the MLP (which, fused, also applies ReLU^2: relu2.py).
-Everything else in a branch (the attention gate, the value embeddings, the output projections) reads `n` itself
-and stays exact. QK-norm and rotary run as one operation on the Q/K/V product's output (qk_norm.py), inside
-the product itself with model.qk=product, or op by op with model.qk=plain. The residual stream entering the
-final norm passes `credit.terminal(x)`: the tap where the terminal error appears in backward;
-`credit.finish(loss)` may add exactly-zero terms that carry injected corrections (credit/sources.py).
+residual stream, and its omitted product reads `credit.branch(b, n)`. The products the synthetic backward omits
+are the ones the credit context computes, `credit.product(b, n_b, W)`: the Q/K/V projection of attention (which
+also applies QK-norm and rotary in its epilogue: qk_norm.py) and the expansion of the MLP (which also applies
+ReLU^2: relu2.py). Everything else in a branch (the attention gate, the value embeddings, the output projections)
+reads `n` itself and stays exact. The residual stream entering the final norm passes `credit.terminal(x)`: the
+tap where the terminal error appears in backward; `credit.finish(loss)` may add exactly-zero terms that carry
+injected corrections (credit/sources.py).
+
+The fused modules (the norms that keep only their output, the Q/K/V product with its epilogue, the attention
+gate's thin product, the MLP's ReLU^2 inside its products) compute the same functions as their op-by-op forms,
+which `GPT.op_by_op()` switches to: for forward-mode derivatives, which the fused Functions do not define
+(credit/fdfa.py), and as the step check's plain reference (step_check.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from creditlab.attention_gate import gate_linear
 from creditlab.causal_attention import causal_attention
 from creditlab.config import ModelConfig
-from creditlab.embedding import lookups
 from creditlab.loss import head_loss, head_loss_sum
-from creditlab.qk_norm import QKEpilogue, qk_norm_rotary
+from creditlab.qk_norm import QKEpilogue
 from creditlab.relu2 import ReLU2, project_relu2
 from creditlab.runtime import cast
 
@@ -51,7 +53,7 @@ def norm_backward(dn: torch.Tensor, n: torch.Tensor, scale: torch.Tensor) -> tor
 
 class _NormKeepingOutput(torch.autograd.Function):
     """norm(x) whose backward reads n and the row scale instead of x: a branch's product keeps n anyway (for its
-    weight gradient), so the norm keeps no tensor of its own (`model.norm=keep_output`)."""
+    weight gradient), so the norm keeps no tensor of its own."""
 
     @staticmethod
     def forward(ctx, x):
@@ -71,32 +73,20 @@ def relu_squared(h: torch.Tensor) -> torch.Tensor:
     return r * r
 
 
-def recomputed(enabled: bool, fn, *args):
-    """fn(*args), recomputed in the backward instead of kept, when enabled. Only for cheap pointwise work
-    without side effects: the matmuls' outputs stay saved, the elementwise passes between them are redone."""
-    return checkpoint(fn, *args, use_reentrant=False) if enabled else fn(*args)
-
-
 class ExactCredit:
-    """Native backprop: nothing omitted, nothing injected. Credit sources subclass this (credit/sources.py)."""
-
-    def normed_branch(self, index: int, x: torch.Tensor, norm_fn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(the residual stream passed on, n, what branch `index`'s omitted product reads) for the residual stream
-        x: x, n = norm_fn(x), then `branch`. A source may fuse its own work on the branch input into the norm (the
-        learned source decodes its correction inside the norm's backward and adds the gradient of the stream
-        passed on there, so that the residual gradient is read and written once)."""
-        n = norm_fn(x)
-        return x, n, self.branch(index, n)
+    """Native backprop: nothing omitted, nothing injected. Credit sources subclass this (credit/sources.py; the
+    contract of its four methods: credit/README.md)."""
 
     def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
+        """What branch `index`'s omitted product reads of its input n."""
         return n
 
     def product(self, index: int, n: torch.Tensor, weight: torch.Tensor, activation: ReLU2 | QKEpilogue | None = None):
         """Branch `index`'s product n W^T, whose input gradient the synthetic backward omits. With a ReLU2 (the
         fused MLP) it returns relu(n W^T)^2 and takes the gradient of n W^T back (relu2.py): a source that replaces
-        the product's backward sees the same gradient either way. With a QKEpilogue (model.qk=product) it returns
-        attention's (q, k, v), normalized and rotated in the product's epilogue; a source that forms the product
-        itself applies `activation.after` to it."""
+        the product's backward sees the same gradient either way. With a QKEpilogue it returns attention's
+        (q, k, v), normalized and rotated in the product's epilogue; a source that forms the product itself applies
+        `activation.after` to it. With None (op by op) it is n W^T."""
         if activation is None:
             return F.linear(n, weight)
         if not isinstance(activation, (ReLU2, QKEpilogue)):
@@ -136,40 +126,32 @@ class Attention(nn.Module):
         self.proj = nn.Linear(d, d, bias=False)
         self.gate = nn.Linear(cfg.gate_dim, cfg.heads, bias=False)  # per-head sigmoid gate from the branch input
         self.gate_dim = cfg.gate_dim
-        self.fused_gate = cfg.attn_gate == "fused"  # the gate's thin product one pass each way (attention_gate.py)
         # v <- a*v + b*ve: how much of this layer's value embedding to mix in.
         self.value_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if has_value_embed else None
         self.rotary = Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_base)
-        self.recompute = "qk" in cfg.recompute_parts
-        # fused: QK-norm and rotary in one pass each way over the product's output; product: the forward pass in
-        # the product's epilogue, the output never written (qk_norm.py); plain: op by op
-        self.qk = cfg.qk
-        self.qk_epilogue = QKEpilogue(self.rotary, self.heads, cfg.qk_kernel)
+        # QK-norm and rotary in the Q/K/V product's epilogue, the product's output never written (qk_norm.py)
+        self.qk_epilogue = QKEpilogue(self.rotary, self.heads)
+        self.op_by_op = False  # GPT.op_by_op
 
     def epilogue(self) -> QKEpilogue | None:
-        """What the Q/K/V product applies in its epilogue (model.qk=product), for the credit context's product."""
-        return self.qk_epilogue if self.qk == "product" else None
-
-    def plain_qk_norm_rotary(self, q: torch.Tensor, k: torch.Tensor):
-        return self.rotary(norm(q)), self.rotary(norm(k))
+        """What the Q/K/V product applies in its epilogue, for the credit context's product."""
+        return None if self.op_by_op else self.qk_epilogue
 
     def forward(self, n: torch.Tensor, qkv, ve: torch.Tensor | None) -> torch.Tensor:
-        """qkv: n W_qkv^T, computed by the credit context (the omitted product); with model.qk=product already
-        (q, k, v), QK-norm and rotary applied in the product's epilogue."""
+        """qkv: the credit context's product with W_qkv (the omitted product): (q, k, v), QK-norm and rotary
+        applied in its epilogue; op by op, n W_qkv^T."""
         B, T, d = n.shape
-        if self.qk == "product":
-            q, k, v = qkv
-        elif self.qk == "fused":
-            q, k, v = qk_norm_rotary(qkv, self.rotary.cos, self.rotary.sin, self.heads)
-        else:
+        if self.op_by_op:
             q, k, v = qkv.view(B, T, 3, self.heads, self.head_dim).unbind(2)
-            q, k = recomputed(self.recompute, self.plain_qk_norm_rotary, q, k)  # QK-norm, then rotary positions
+            q, k = self.rotary(norm(q)), self.rotary(norm(k))  # QK-norm, then rotary positions
+        else:
+            q, k, v = qkv
         if ve is not None:
             v = self.value_mix[0] * v + self.value_mix[1] * ve.view_as(v)
         y = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=0.12)
         y = y.transpose(1, 2)  # (B, T, H, hd)
-        gate_input = n[..., :self.gate_dim]
-        gate = gate_linear(gate_input, self.gate.weight) if self.fused_gate else self.gate(gate_input)
+        gate_input = n[..., :self.gate_dim]  # the gate's thin product one pass each way (attention_gate.py)
+        gate = self.gate(gate_input) if self.op_by_op else gate_linear(gate_input, self.gate.weight)
         y = y * torch.sigmoid(gate)[..., None]
         return self.proj(y.reshape(B, T, d))
 
@@ -179,17 +161,19 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = nn.Linear(cfg.width, cfg.mlp_hidden, bias=False)  # the omitted input product: W_fc^T dH
         self.proj = nn.Linear(cfg.mlp_hidden, cfg.width, bias=False)
-        self.recompute = "mlp" in cfg.recompute_parts
-        # fused: ReLU^2 in the epilogues of the products on either side of it, only its output kept (relu2.py)
-        self.activation = ReLU2(cfg.mlp_expand) if cfg.mlp == "fused" else None
-        self.dgrad = cfg.mlp_dgrad
+        self.relu2 = ReLU2()  # ReLU^2 in the epilogues of the products on either side of it, only its output kept
+        self.op_by_op = False  # GPT.op_by_op
+
+    @property
+    def activation(self) -> ReLU2 | None:
+        """What the expansion applies in its epilogue, for the credit context's product."""
+        return None if self.op_by_op else self.relu2
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """h: the credit context's product with W_fc (the omitted product): relu(n W_fc^T)^2 when fused, else
-        n W_fc^T."""
-        if isinstance(self.activation, ReLU2):
-            return project_relu2(h, self.proj.weight, self.dgrad)
-        return self.proj(recomputed(self.recompute, relu_squared, h))
+        """h: the credit context's product with W_fc (the omitted product): relu(n W_fc^T)^2; op by op n W_fc^T."""
+        if self.op_by_op:
+            return self.proj(relu_squared(h))
+        return project_relu2(h, self.proj.weight)
 
 
 BRANCH_KINDS = ("attn", "mlp")  # each block's two branches, in branch order: index 2i is attention, 2i+1 its MLP
@@ -206,21 +190,18 @@ class Block(nn.Module):
         self.attn = Attention(cfg, has_value_embed)
         self.mlp = MLP(cfg)
         self.resid_mix = nn.Parameter(torch.tensor([1.0, 0.0]))  # x <- a*x + b*x0
-        self.recompute = "norm" in cfg.recompute_parts
-        self.keep_norm_output = cfg.norm == "keep_output"
+        self.op_by_op = False  # GPT.op_by_op
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.keep_norm_output:
-            return _NormKeepingOutput.apply(x)
-        return recomputed(self.recompute, norm, x)
+        return norm(x) if self.op_by_op else _NormKeepingOutput.apply(x)
 
     def forward(self, x, x0, ve, credit: ExactCredit):
         x = self.resid_mix[0] * x + self.resid_mix[1] * x0
         a, m = 2 * self.index, 2 * self.index + 1  # the block's branches
-        x, n, n_omitted = credit.normed_branch(a, x, self.norm)
-        x = x + self.attn(n, credit.product(a, n_omitted, self.attn.qkv.weight, self.attn.epilogue()), ve)
-        x, n, n_omitted = credit.normed_branch(m, x, self.norm)
-        x = x + self.mlp(credit.product(m, n_omitted, self.mlp.fc.weight, self.mlp.activation))
+        n = self.norm(x)
+        x = x + self.attn(n, credit.product(a, credit.branch(a, n), self.attn.qkv.weight, self.attn.epilogue()), ve)
+        n = self.norm(x)
+        x = x + self.mlp(credit.product(m, credit.branch(m, n), self.mlp.fc.weight, self.mlp.activation))
         return x
 
 
@@ -253,6 +234,21 @@ class GPT(nn.Module):
             block.mlp.proj.weight.zero_()
         self.head.weight.zero_()
 
+    @contextlib.contextmanager
+    def op_by_op(self):
+        """Every fused module op by op for the duration (the same functions: the norms, QK-norm and rotary after
+        the Q/K/V product, the attention gate through F.linear, ReLU^2 between the MLP's products), then as it
+        was."""
+        modules = [m for m in self.modules() if hasattr(m, "op_by_op") and not isinstance(m, GPT)]
+        kept = [m.op_by_op for m in modules]
+        try:
+            for m in modules:
+                m.op_by_op = True
+            yield self
+        finally:
+            for m, was in zip(modules, kept):
+                m.op_by_op = was
+
     def branch_names(self) -> list[str]:
         return [f"layer{i}.{kind}" for i in range(self.cfg.layers) for kind in BRANCH_KINDS]
 
@@ -268,8 +264,8 @@ class GPT(nn.Module):
         # Under autocast the residual stream is carried in the autocast dtype, as modded-nanogpt does in bf16:
         # it halves what the backward keeps and what every pointwise op moves.
         dtype = torch.get_autocast_dtype("cuda") if idx.is_cuda and torch.is_autocast_enabled("cuda") else None
-        x0, *ves = lookups(idx, [self.embed.weight] + [table.weight for table in self.value_embeds], dtype,
-                           fused=self.cfg.embed == "fused")
+        x0, *ves = [F.embedding(idx, table.weight) if dtype is None else cast(F.embedding(idx, table.weight), dtype)
+                    for table in [self.embed, *self.value_embeds]]
         x = x0 = norm(x0)
         skips = []
         L = self.cfg.layers

@@ -1,7 +1,7 @@
 """Optimizers and the learning-rate schedule.
 
-Muon for the hidden matrices (torch.optim.Muon's update; `train.muon=grouped` runs it on the matrices of one shape
-at once); AdamW for embeddings, value embeddings, the head, scalars and gates. The schedule is warmup, constant,
+Muon for the hidden matrices (torch.optim.Muon's update, run on the matrices of one shape at once: GroupedMuon,
+equal to torch's bit for bit); AdamW for embeddings, value embeddings, the head, scalars and gates. The schedule is warmup, constant,
 then a linear cooldown to zero over the last `cooldown_frac`.
 """
 
@@ -95,9 +95,8 @@ class Optimizers:
     def __init__(self, model: nn.Module, cfg: TrainConfig):
         self.cfg = cfg
         g = parameter_groups(model)
-        muon = GroupedMuon if cfg.muon == "grouped" else torch.optim.Muon
-        self.muon = muon([{"params": g["hidden"], "lr": cfg.lr_muon}], lr=cfg.lr_muon, momentum=0.95,
-                         weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw")
+        self.muon = GroupedMuon([{"params": g["hidden"], "lr": cfg.lr_muon}], lr=cfg.lr_muon, momentum=0.95,
+                         weight_decay=0.0, adjust_lr_fn="match_rms_adamw")
         adam_groups = [{"params": g["embed"], "lr": cfg.lr_embed}, {"params": g["head"], "lr": cfg.lr_head},
                        {"params": g["scalar"] + g["gate"], "lr": cfg.lr_scalar}]
         self.adam = torch.optim.AdamW([pg for pg in adam_groups if pg["params"]], betas=(0.8, 0.95), eps=1e-10,

@@ -1,4 +1,4 @@
-"""QK-norm and rotary positions as one operation on the Q/K/V projection's output (`model.qk=fused`).
+"""QK-norm and rotary positions as one operation on the Q/K/V projection's output.
 
 Attention reads q and k RMS-normalized per head and rotated by their positions, and v as projected. Written op
 by op, the compiler makes a pass over q and k each way and, in the backward, assembles the projection's output
@@ -10,11 +10,11 @@ the normalized q and k from the rotated ones by rotating back (R^T R = (cos^2 + 
 On CUDA the passes are Triton kernels (kernels/qk_norm_rotary.py); elsewhere the torch arithmetic of the same
 formulas, so the backward's formula is checked against autograd in float64 on the CPU.
 
-With `model.qk=product` the forward pass is not a pass of its own: the Q/K/V product normalizes and rotates each
-tile before it stores it (kernels/qkv_rotary.py; model.qk_kernel=gluon: kernels/qkv_hopper.py on Hopper), so the
-product's output is never written or read again (`product_norm_rotary`). Its backward is the same one pass, then
-the product's own backward. A credit source that replaces the product's backward (the sketch, merged gates)
-applies `QKEpilogue.after` to the product it forms instead: the same function, op by op.
+In the model the forward pass is not a pass of its own: the Q/K/V product normalizes and rotates each tile
+before it stores it (kernels/qkv_rotary.py; on Hopper, where the tokens are whole tiles, kernels/qkv_hopper.py),
+so the product's output is never written or read again (`product_norm_rotary`). Its backward is the same one
+pass, then the product's own backward. A credit source that replaces the product's backward (the sketch)
+applies `QKEpilogue.after` to the product it forms instead: the same function, in a pass of its own.
 """
 
 from __future__ import annotations
@@ -122,22 +122,18 @@ def qk_norm_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head
     return _QKNormRotary.apply(qkv, cos, sin, heads)
 
 
-# model.qk_kernel's Gluon forms: the keywords each passes to qkv_hopper.qkv_norm_rotary
-GLUON_FORMS = {"gluon": {}, "gluon_overlapped": {"epilogue": qkv_hopper.EPILOGUE_OVERLAPPED}}
-
-
 @torch.library.custom_op("creditlab::qkv_product_norm_rotary", mutates_args=())
-def product_forward_op(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-                       kernel: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
+def product_forward_op(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(qkv, scales): forward_op of x w^T for x (B, T, d), w (3 width, d), with q, k and v stacked in one
     (3, B, T, heads, head_dim) tensor (an operator's outputs may not alias one another, so the caller takes the
-    three views). The product and the forward pass as one kernel on CUDA (`kernel`: model.qk_kernel), the
-    product and then forward_op elsewhere."""
+    three views). The product and the forward pass as one kernel on CUDA (the Gluon kernel on Hopper where it
+    takes the operands, else the Triton one), the product and then forward_op elsewhere."""
     B, T, d = x.shape
     rows = x.reshape(B * T, d)
     hd = w.shape[0] // 3 // heads
-    if kernel in GLUON_FORMS and qkv_hopper.supported(rows, w, heads):
-        qkv, scales = qkv_hopper.qkv_norm_rotary(rows, w, cos, sin, heads, T, EPS, **GLUON_FORMS[kernel])
+    if qkv_hopper.supported(rows, w, heads):
+        qkv, scales = qkv_hopper.qkv_norm_rotary(rows, w, cos, sin, heads, T, EPS)
         return qkv.view(3, B, T, heads, hd), scales.view(B, T, 2, heads)
     if kernels.available(x) and qkv_rotary.supported(rows, w, heads):
         qkv, scales = qkv_rotary.qkv_norm_rotary(rows, w, cos, sin, heads, T, EPS)
@@ -147,7 +143,7 @@ def product_forward_op(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin:
 
 
 @product_forward_op.register_fake
-def _(x, w, cos, sin, heads, kernel="triton"):
+def _(x, w, cos, sin, heads):
     q, _, _, scales = _forward_fake(x, x.shape[0], x.shape[1], w.shape[0], heads)
     return x.new_empty((3, *q.shape)), scales
 
@@ -165,10 +161,10 @@ class _ProductNormRotary(torch.autograd.Function):
     omitted product's n arrives detached), W's always."""
 
     @staticmethod
-    def forward(ctx, n, weight, cos, sin, heads: int, kernel: str):
+    def forward(ctx, n, weight, cos, sin, heads: int):
         dtype = kernels.compute_dtype(n)
         x, w = n.to(dtype), weight.to(dtype)
-        qkv, scales = product_forward_op(x, w, cos, sin, heads, kernel)
+        qkv, scales = product_forward_op(x, w, cos, sin, heads)
         q, k, v = qkv.unbind(0)
         ctx.save_for_backward(x, w, q, k, scales, cos, sin)
         ctx.weight_dtype = weight.dtype
@@ -181,28 +177,25 @@ class _ProductNormRotary(torch.autograd.Function):
         rows = dqkv.reshape(-1, dqkv.shape[-1])
         dn = (rows @ w.to(dqkv.dtype)).view(x.shape) if ctx.needs_input_grad[0] else None
         dw = (rows.t() @ x.reshape(-1, x.shape[-1]).to(dqkv.dtype)).to(ctx.weight_dtype)
-        return dn, dw, None, None, None, None
+        return dn, dw, None, None, None
 
 
-def product_norm_rotary(n: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-                        kernel: str = "triton"):
-    """qk_norm_rotary(n W^T, cos, sin, heads) with the forward pass in the product's epilogue (`kernel`:
-    model.qk_kernel, on CUDA)."""
-    return _ProductNormRotary.apply(n, weight, cos, sin, heads, kernel)
+def product_norm_rotary(n: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int):
+    """qk_norm_rotary(n W^T, cos, sin, heads) with the forward pass in the product's epilogue (on CUDA)."""
+    return _ProductNormRotary.apply(n, weight, cos, sin, heads)
 
 
 class QKEpilogue:
-    """What a branch's product applies before its output leaves the chip, for attention's Q/K/V product
-    (`model.qk=product`): QK-norm and rotary with the attention's rotation tables. The credit context's `product`
-    takes it in place of an activation name (model.ExactCredit.product)."""
+    """What a branch's product applies before its output leaves the chip, for attention's Q/K/V product: QK-norm
+    and rotary with the attention's rotation tables. The credit context's `product` takes it in place of an
+    activation name (model.ExactCredit.product)."""
 
-    def __init__(self, rotary, heads: int, kernel: str = "triton"):
+    def __init__(self, rotary, heads: int):
         self.rotary, self.heads = rotary, heads  # the Rotary module: its tables follow the model's device
-        self.kernel = kernel  # model.qk_kernel
 
     def product(self, n: torch.Tensor, weight: torch.Tensor):
         """(q, k, v) of n W^T, the epilogue inside the product."""
-        return product_norm_rotary(n, weight, self.rotary.cos, self.rotary.sin, self.heads, self.kernel)
+        return product_norm_rotary(n, weight, self.rotary.cos, self.rotary.sin, self.heads)
 
     def after(self, qkv: torch.Tensor):
         """(q, k, v) of a product formed elsewhere: the same function as `product`, in a pass of its own."""

@@ -1,4 +1,4 @@
-"""The MLP's ReLU^2 fused into the two products around it (`model.mlp=fused`).
+"""The MLP's ReLU^2 fused into the two products around it.
 
 The MLP computes y = relu(h)^2 W_proj^T with h = n W_fc^T. Written op by op, its activation costs passes of its
 own over the (tokens, hidden) tensors: one in the forward (read h, write relu(h)^2), one in the backward (read h
@@ -16,21 +16,18 @@ expansion's input-gradient product (credit/sketch.py) keeps receiving dL/dh as b
 (credit/fdfa.py), which computes the same function.
 
 On CUDA, in bf16/fp16, the products run as one Triton kernel each (kernels/relu2_matmul.py; on Hopper the
-derivative product with model.mlp_dgrad=gluon, and the expansion with model.mlp_expand=gluon, as the Gluon kernel of
-kernels/relu2_hopper.py); elsewhere (the CPU, float64 checks) as the torch arithmetic of the same formulas, so the
+derivative product as the Gluon kernel of kernels/relu2_hopper.py, which brings the post tile in while the
+products run); elsewhere (the CPU, float64 checks) as the torch arithmetic of the same formulas, so the
 convention is checked in float64.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import torch
 import torch.nn.functional as F
 
 from creditlab import kernels
-from creditlab.kernels import relu2_dgrad_apart, relu2_hopper, relu2_matmul
+from creditlab.kernels import relu2_hopper, relu2_matmul
 
 
 def _kernel_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -57,17 +54,6 @@ def _gluon_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return _kernel_takes(a, b) and relu2_hopper.available(a) and a.shape[1] % relu2_hopper.BLOCK_K == 0
 
 
-@torch.library.custom_op("creditlab::relu2_linear_gluon", mutates_args=())
-def relu2_linear_gluon(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """relu2_linear through the Gluon kernel where it runs (compute capability 9), else as relu2_linear."""
-    if _gluon_takes(x, w):
-        return relu2_hopper.relu2_linear(x, w)
-    return relu2_linear(x, w)
-
-
-relu2_linear_gluon.register_fake(_linear_fake)
-
-
 @torch.library.custom_op("creditlab::relu2_dgrad", mutates_args=())
 def relu2_dgrad(dy: torch.Tensor, w: torch.Tensor, post: torch.Tensor) -> torch.Tensor:
     """(dy w) * 2 sqrt(post) for dy (M, K), w (K, N), post (M, N): dL/dh through y = post w^T."""
@@ -76,7 +62,7 @@ def relu2_dgrad(dy: torch.Tensor, w: torch.Tensor, post: torch.Tensor) -> torch.
     return (dy @ w) * (2 * post.sqrt())
 
 
-def _dgrad_fake(dy, w, post, form="whole_tile"):  # the Gluon operator's `form` too
+def _dgrad_fake(dy, w, post):
     return dy.new_empty((dy.shape[0], w.shape[1]))
 
 
@@ -84,13 +70,11 @@ relu2_dgrad.register_fake(_dgrad_fake)
 
 
 @torch.library.custom_op("creditlab::relu2_dgrad_gluon", mutates_args=())
-def relu2_dgrad_gluon(dy: torch.Tensor, w: torch.Tensor, post: torch.Tensor, form: str = "whole_tile") -> torch.Tensor:
-    """relu2_dgrad through the Gluon kernel where it runs (compute capability 9), else as relu2_dgrad; `form`:
-    whole_tile, relu2_hopper's kernel, or one of relu2_dgrad_apart.FORMS."""
+def relu2_dgrad_gluon(dy: torch.Tensor, w: torch.Tensor, post: torch.Tensor) -> torch.Tensor:
+    """relu2_dgrad through the Gluon kernel where it runs (compute capability 9), else as relu2_dgrad (the
+    Triton kernel, or the torch arithmetic off CUDA)."""
     if _gluon_takes(dy, w) and post.dtype == dy.dtype:
-        if form == "whole_tile":
-            return relu2_hopper.relu2_dgrad(dy, w, post)
-        return relu2_dgrad_apart.relu2_dgrad(dy, w, post, form)
+        return relu2_hopper.relu2_dgrad(dy, w, post)
     return relu2_dgrad(dy, w, post)
 
 
@@ -101,17 +85,12 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-EXPANDS = {"triton": relu2_linear, "gluon": relu2_linear_gluon}  # model.mlp_expand
-
-
-def expand_relu2_values(x: torch.Tensor, w: torch.Tensor, kernel: str = "triton"
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def expand_relu2_values(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(post, x, w) with post = relu(x w^T)^2 and x, w cast as F.linear would cast them: the forward shared by
-    every expansion that keeps the convention (this module's and the sketch's), by the kernel `kernel` names
-    (model.mlp_expand)."""
+    every expansion that keeps the convention (this module's and the sketch's)."""
     dtype = kernels.compute_dtype(x)
     x, w = x.to(dtype), w.to(dtype)
-    post = EXPANDS[kernel](_rows(x), w).view(*x.shape[:-1], w.shape[0])
+    post = relu2_linear(_rows(x), w).view(*x.shape[:-1], w.shape[0])
     return post, x, w
 
 
@@ -119,8 +98,8 @@ class _ExpandReLU2(torch.autograd.Function):
     # Both Functions keep the weight as cast for the forward (as autocast's F.linear does): the backward's products
     # read it without a cast of their own.
     @staticmethod
-    def forward(ctx, x, weight, kernel):
-        post, xc, wc = expand_relu2_values(x, weight, kernel)
+    def forward(ctx, x, weight):
+        post, xc, wc = expand_relu2_values(x, weight)
         ctx.save_for_backward(xc, wc)
         ctx.weight_dtype = weight.dtype
         return post
@@ -130,16 +109,15 @@ class _ExpandReLU2(torch.autograd.Function):
         x, w = ctx.saved_tensors
         dx = dh @ w.to(dh.dtype) if ctx.needs_input_grad[0] else None
         dw = (_rows(dh).t() @ _rows(x).to(dh.dtype)).to(ctx.weight_dtype)
-        return dx, dw, None
+        return dx, dw
 
 
 class _ProjectReLU2(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, post, weight, dgrad):
+    def forward(ctx, post, weight):
         w = weight.to(post.dtype)
         ctx.save_for_backward(post, w)
         ctx.weight_dtype = weight.dtype
-        ctx.dgrad = DGRADS[dgrad]
         return F.linear(post, w)
 
     @staticmethod
@@ -147,35 +125,25 @@ class _ProjectReLU2(torch.autograd.Function):
         post, w = ctx.saved_tensors
         dh = None
         if ctx.needs_input_grad[0]:  # dL/dh, not dL/dpost: the convention
-            dh = ctx.dgrad(_rows(dy), w.to(dy.dtype), _rows(post).to(dy.dtype)).view(post.shape)
+            dh = relu2_dgrad_gluon(_rows(dy), w.to(dy.dtype), _rows(post).to(dy.dtype)).view(post.shape)
         dw = (_rows(dy).t() @ _rows(post).to(dy.dtype)).to(ctx.weight_dtype)
-        return dh, dw, None
+        return dh, dw
 
 
-DGRADS = {"triton": relu2_dgrad, "gluon": relu2_dgrad_gluon,  # model.mlp_dgrad
-          "gluon_overlapped": functools.partial(relu2_dgrad_gluon, form="overlapped"),
-          "gluon_specialized": functools.partial(relu2_dgrad_gluon, form="specialized")}
-
-
-def expand_relu2(x: torch.Tensor, weight: torch.Tensor, kernel: str = "triton") -> torch.Tensor:
+def expand_relu2(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """relu(x W^T)^2, whose gradient is taken as dL/dh (h = x W^T): its output may be read by `project_relu2`
-    alone. `kernel`: model.mlp_expand."""
-    return _ExpandReLU2.apply(x, weight, kernel)
+    alone."""
+    return _ExpandReLU2.apply(x, weight)
 
 
-@dataclasses.dataclass(frozen=True)
 class ReLU2:
-    """What the fused MLP's expansion applies before its output leaves the chip: ReLU^2 (model.mlp=fused), by the
-    kernel model.mlp_expand names. The credit context's `product` takes it in place of an activation name, as it
-    takes qk_norm.QKEpilogue (model.ExactCredit.product)."""
-
-    kernel: str = "triton"
+    """What the fused MLP's expansion applies before its output leaves the chip: ReLU^2. The credit context's
+    `product` takes it in place of an activation name, as it takes qk_norm.QKEpilogue (model.ExactCredit.product)."""
 
     def product(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return expand_relu2(x, weight, self.kernel)
+        return expand_relu2(x, weight)
 
 
-def project_relu2(post: torch.Tensor, weight: torch.Tensor, dgrad: str = "triton") -> torch.Tensor:
-    """post W^T, handing `expand_relu2` dL/dh = (dL/dy W) * 2 sqrt(post), by the kernel `dgrad` names
-    (model.mlp_dgrad)."""
-    return _ProjectReLU2.apply(post, weight, dgrad)
+def project_relu2(post: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """post W^T, handing `expand_relu2` dL/dh = (dL/dy W) * 2 sqrt(post)."""
+    return _ProjectReLU2.apply(post, weight)

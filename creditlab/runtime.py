@@ -29,7 +29,6 @@ class Runtime:
     param_dtype: torch.dtype  # dtype the parameters are stored in
     autocast_dtype: torch.dtype | None  # matmul dtype under autocast, or None for none
     compile: bool
-    sdpa: str = "auto"
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
@@ -43,16 +42,10 @@ class Runtime:
         return self.rank == 0
 
     def autocast(self):
-        """The precision and attention-kernel context of a forward pass."""
-        stack = contextlib.ExitStack()
-        if self.autocast_dtype is not None:
-            stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast_dtype))
-        if self.sdpa != "auto":
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-            backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-                       "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[self.sdpa]
-            stack.enter_context(sdpa_kernel(backend))
-        return stack
+        """The precision context of a forward pass."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def synchronize(self) -> None:
         if self.is_cuda:
@@ -84,7 +77,7 @@ def resolve(cfg: TrainConfig) -> Runtime:
     param_dtype = torch.float64 if dtype == "float64" else torch.float32
     autocast_dtype = torch.bfloat16 if dtype == "bf16" else None
     compile_ = cfg.compile == "on" or (cfg.compile == "auto" and use_cuda)
-    return Runtime(device, param_dtype, autocast_dtype, compile_, cfg.sdpa, rank, world_size, local_rank)
+    return Runtime(device, param_dtype, autocast_dtype, compile_, rank, world_size, local_rank)
 
 
 def leave_process_group() -> None:
@@ -93,22 +86,11 @@ def leave_process_group() -> None:
         dist.destroy_process_group()
 
 
-COMPILE_OPTIONS = {"coordinate-descent": {"coordinate_descent_tuning": True}, "pdl": {"triton.enable_pdl": True},
-                   "autotune-gemm": {"max_autotune_gemm": True}}
-
-
-def maybe_compile(fn, runtime: Runtime, activation_budget: float = 1.0, mode: str = "default"):
+def maybe_compile(fn, runtime: Runtime):
     """torch.compile when asked; if compilation fails at the first call, warn and fall back to eager."""
     if not runtime.compile:
         return fn
-    if activation_budget < 1.0:
-        import torch._functorch.config as functorch_config
-        functorch_config.activation_memory_budget = activation_budget
-    if mode in COMPILE_OPTIONS:  # per-compile options, so other compiled functions keep the defaults
-        compiled = torch.compile(fn, options=COMPILE_OPTIONS[mode])
-    else:
-        compiled = torch.compile(fn, mode=None if mode == "default" else mode)
-    state = {"fn": compiled}
+    state = {"fn": torch.compile(fn)}
 
     def call(*args, **kwargs):
         try:
@@ -148,40 +130,6 @@ class Timer:
         self.seconds = time.perf_counter() - self.start
 
 
-class DeviceTimer:
-    """Time of a region as the device runs it, read later: CUDA events recorded at its start and end, so the host
-    need not wait for the device at either and may queue what follows before this region has run. The device
-    time then includes any wait for the host inside the region, and none before it. On the CPU, where nothing
-    runs ahead of the host, the region's wall time."""
-
-    def __init__(self, runtime: Runtime):
-        self.runtime = runtime
-        self._seconds: float | None = None
-
-    def __enter__(self):
-        if self.runtime.is_cuda:
-            self.start_event = torch.cuda.Event(enable_timing=True)
-            self.start_event.record()
-        else:
-            self.start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        if self.runtime.is_cuda:
-            self.end_event = torch.cuda.Event(enable_timing=True)
-            self.end_event.record()
-        else:
-            self._seconds = time.perf_counter() - self.start
-
-    @property
-    def seconds(self) -> float:
-        """Waits for the region's end on the device (the first time it is read)."""
-        if self._seconds is None:
-            self.end_event.synchronize()
-            self._seconds = self.start_event.elapsed_time(self.end_event) / 1e3
-        return self._seconds
-
-
 class HostCopy:
     """A device tensor copied to the host behind the work queued so far, without waiting for it: `get` waits for
     the copy alone. A read that queued device work of its own (`.item()` on a device tensor, say) would wait for
@@ -201,33 +149,6 @@ class HostCopy:
         if self.copied is not None:
             self.copied.synchronize()
         return self.host
-
-
-class InFlight:
-    """At most one queued piece of work whose results the host has not read yet: `launch` queues the next piece,
-    then reads the one before, so the host is always one piece ahead of the device. `settle` reads the held one
-    now. When a launch fails, the piece before it is read first: an error that piece hides (a non-finite loss,
-    say) is then what propagates, the launch's failure chained to it."""
-
-    def __init__(self):
-        self._read = None
-
-    def launch(self, queue: Callable[[], T], read: Callable[[T], object]) -> None:
-        """queue() queues a piece and returns its handle; read(handle) runs once the next piece is queued (or at
-        `settle`)."""
-        try:
-            handle = queue()
-        except BaseException:
-            self.settle()
-            raise
-        before, self._read = self._read, (lambda: read(handle))
-        if before is not None:
-            before()
-
-    def settle(self) -> None:
-        before, self._read = self._read, None
-        if before is not None:
-            before()
 
 
 def peak_memory_mib(runtime: Runtime) -> tuple[float | None, float | None]:

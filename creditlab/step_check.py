@@ -8,8 +8,9 @@ and inputs:
 
 * **compiled**: the trainer's step as configured;
 * **eager**: the same step with the compiler off (same precision, same kernels);
-* **plain**: eager in the same precision on the same device, every fused module and option at its plain form
-  and no kernel of ours: what torch arithmetic in this precision gives, the level a parameter is judged by;
+* **plain**: eager in the same precision on the same device, every fused module op by op (`GPT.op_by_op`), the
+  head in plain precision and no kernel of ours: what torch arithmetic in this precision gives, the level a
+  parameter is judged by;
 * **reference**: the plain step in float64 on the CPU.
 
 and gives each parameter's gradient error against the reference, ||g - g_ref|| / ||g_ref|| (on a teacher
@@ -35,11 +36,8 @@ from creditlab import kernels
 from creditlab.checks import randomize_, relative_error
 from creditlab.data import SyntheticLoader
 
-# The options whose fused forms the plain step replaces by torch arithmetic (the defaults of records that predate
-# them; config.Config.from_dict), and how the float64 reference runs besides.
-PLAIN = ("model.mlp=plain", "model.qk=plain", "model.norm=plain", "model.attn_gate=plain", "model.embed=plain",
-         "model.head=plain", "model.recompute=none", "credit.decode=plain", "credit.gates=separate",
-         "credit.products=plain", "credit.fit_rows=plain", "train.compile=off", "train.prefetch=false")
+# The plain step's settings (besides its model op by op and our kernels off), and how the float64 reference runs.
+PLAIN = ("model.head=plain", "train.compile=off")
 PLAIN_REFERENCE = (*PLAIN, "train.device=cpu", "train.dtype=float64")
 
 # A parameter is judged against its level, the plain step's error. The eager error is flagged over OVER_LEVEL
@@ -128,7 +126,12 @@ def check_step(preset: str, overrides, micro_batch: int = 2, seed: int = 0, say=
             warnings.filterwarnings("error", message="torch.compile failed")
             grads = {}
             for way, trainer in made.items():
-                with kernels.off() if way == "plain" else contextlib.nullcontext():
+                plain = way in ("plain", "reference")
+                with contextlib.ExitStack() as stack:
+                    if plain:
+                        stack.enter_context(trainer.model.op_by_op())
+                    if way == "plain":
+                        stack.enter_context(kernels.off())
                     grads[way] = gradients(trainer, inputs, targets, kind)
         reference = grads["reference"]
         # what the reference computes and a step left out counts as zeros

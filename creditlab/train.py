@@ -4,8 +4,7 @@
 (native, synthetic, teacher); which credit path runs inside it is the credit source's business (credit/), and
 which kind each update is, the schedule's (credit/schedules.py). An update is `grad_accum` micro-batches then
 one optimizer step; each update yields a row of its time, loss and peak memory. `train_update` times an update
-from a synchronized device to a synchronized device; `run` (train.overlap) queues each update before reading the
-one before it and times it by CUDA events, so the device never waits for the host between updates.
+from a synchronized device to a synchronized device; `run` is the loop.
 """
 
 from __future__ import annotations
@@ -77,24 +76,6 @@ def build_model(cfg: Config, runtime: rt.Runtime, seed: int | None = None) -> GP
     return GPT(cfg.model).to(device=runtime.device, dtype=runtime.param_dtype)
 
 
-@dataclass
-class QueuedUpdate:
-    """An update queued on the device whose results the host has not read yet (Trainer.read_update reads them).
-    The memory peaks are the allocator's, counted on the host as it queued the work."""
-    update: int
-    kind: str  # the schedule's
-    recorded_kind: str  # what the row says (CreditSource.recorded_kind)
-    readback: rt.HostCopy  # [the mean loss, each micro-batch's loss, each gradient's norm]
-    grad_names: list[str]  # the parameters of those norms
-    micro_batches: int
-    lr_scale: float
-    fit: object  # the source's end_update: a fit report, a FitReport to read, or None
-    aligned: dict | None
-    timers: list
-    peak_allocated_mib: float | None
-    peak_reserved_mib: float | None
-
-
 class Trainer:
     def __init__(self, cfg: Config, runtime: rt.Runtime | None = None, model: GPT | None = None, loader=None,
                  peak_tflops: float | None = None):
@@ -108,8 +89,7 @@ class Trainer:
             cfg, "train", self.runtime.rank, self.runtime.world_size)
         self.ddp = DDP(self.model, device_ids=[self.runtime.local_rank] if self.runtime.is_cuda else None) \
             if self.runtime.world_size > 1 else None
-        self._forward = rt.maybe_compile(self.ddp or self.model, self.runtime, cfg.train.activation_budget,
-                                         cfg.train.compile_mode)
+        self._forward = rt.maybe_compile(self.ddp or self.model, self.runtime)
         self.flops_per_token = flop_budget(cfg.model, max(cfg.credit.teacher_every, 2)).total_per_token
         self.peak_tflops = peak_tflops
         self.update_index = 0
@@ -141,7 +121,7 @@ class Trainer:
     def _make_ahead(self) -> None:
         """The next micro-batch, made now and taken by the next _batch() if the loader is still at its position.
         The loader does not move: its position (what a checkpoint saves) counts only the batches taken."""
-        if self.cfg.train.prefetch and hasattr(self.loader, "batch_at"):
+        if hasattr(self.loader, "batch_at"):
             position = self.loader.position
             self._ahead = (position, self._to_device(self.loader.batch_at(position)))
 
@@ -156,24 +136,17 @@ class Trainer:
         return self.plan.kind(update)
 
     def train_update(self, align: bool = False) -> UpdateRow:
-        """One update, its results read before returning: grad_accum micro-batches, then the optimizer step and
-        the source's end of update, timed from a synchronized device to a synchronized device.
+        """One update: grad_accum micro-batches, then the optimizer step and the source's end of update, timed from
+        a synchronized device to a synchronized device; then its loss and gradients are checked on the host.
 
         With `align`, the update's gradient is also compared with the exact gradient of the same micro-batches,
         between the backward passes and the step and outside the timed regions (see `measure_alignment`)."""
-        return self.read_update(self.queue_update(align, settled=True))
-
-    def queue_update(self, align: bool = False, settled: bool = False) -> "QueuedUpdate":
-        """Queue one update on the device without waiting for it; `read_update` gives its row. Unless `settled`
-        (or with `align`, which reads its gradients on the host), nothing here waits for the device, so the
-        host may queue the next update while this one runs and the device never waits for the host between
-        them; its time is then read from CUDA events around its work (rt.DeviceTimer)."""
         cfg, runtime = self.cfg.train, self.runtime
         update, kind = self.update_index, self.update_kind(self.update_index)
         rt.reset_peak_memory(runtime)
         losses, batches = [], []
 
-        def step() -> tuple[float, object, tuple[rt.HostCopy, list[str]]]:
+        def step():
             # What the host reads of the update, gathered before the step (the gradients are zeroed after it)
             names, norms = self._grad_norms()
             stacked = torch.stack(losses)
@@ -182,10 +155,9 @@ class Trainer:
             self.optimizers.zero_grad()
             # After the model's step, so that whatever of the fit's report a source reads on the host waits for
             # the fit alone; a teacher's report (a FitReport) is read, and the schedule told, with the update.
-            return lr_scale, self.source.end_update(kind), (readback, names)
+            return lr_scale, self.source.end_update(kind), readback, names
 
-        timer = rt.Timer(runtime) if settled or align else rt.DeviceTimer(runtime)
-        with timer:
+        with rt.Timer(runtime) as timed:
             for micro in range(cfg.grad_accum):
                 inputs, targets = self._batch()
                 if align:
@@ -199,34 +171,26 @@ class Trainer:
             # queued behind the last backward, so the host makes it while the GPU works
             self._make_ahead()
             if not align:  # one timed region: no synchronization between the backward and the step
-                lr_scale, fit, readback = step()
-        timers, aligned = [timer], None
+                lr_scale, fit, readback, names = step()
+        seconds, aligned = timed.seconds, None
         if align:  # the alignment pass between the backward and the step, outside the timed regions
             aligned = self.measure_alignment(batches)
             with rt.Timer(runtime) as timed_step:
-                lr_scale, fit, readback = step()
-            timers.append(timed_step)
-        # The allocator counts on the host, in the order the host queued the work: its peak needs no wait.
-        peaks = rt.peak_memory_mib(runtime)
+                lr_scale, fit, readback, names = step()
+            seconds += timed_step.seconds
+        peak_allocated, peak_reserved = rt.peak_memory_mib(runtime)
         self.update_index += 1
-        return QueuedUpdate(update, kind, self.source.recorded_kind(update, kind), *readback, len(losses), lr_scale, fit, aligned, timers, *peaks)
-
-    def read_update(self, queued: "QueuedUpdate") -> UpdateRow:
-        """The row of a queued update: waits for what the host reads of it (and for nothing queued after it),
-        stops the run at a non-finite loss or gradient, tells the schedule, and reads its time."""
-        values = queued.readback.get().tolist()  # waits for this update alone
-        loss, losses, norms = values[0], values[1:1 + queued.micro_batches], values[1 + queued.micro_batches:]
-        self._check_finite(queued.update, loss, losses, queued.grad_names, norms)
-        fit = read_fit(queued.fit)
-        self.plan.observe(queued.update, queued.kind, fit)
-        seconds = sum(t.seconds for t in queued.timers)
-        cfg, runtime = self.cfg.train, self.runtime
+        values = readback.get().tolist()
+        loss, micro_losses, norms = values[0], values[1:1 + len(losses)], values[1 + len(losses):]
+        self._check_finite(update, loss, micro_losses, names, norms)
+        fit = read_fit(fit)
+        self.plan.observe(update, kind, fit)
         tokens = cfg.grad_accum * cfg.micro_batch * self.cfg.model.seq_len * runtime.world_size
         tps = tokens / seconds
         mfu = None if self.peak_tflops is None else \
             tps * self.flops_per_token / (self.peak_tflops * 1e12 * runtime.world_size)
-        return UpdateRow(queued.update, queued.recorded_kind, loss, seconds, tokens, tps, queued.lr_scale,
-                         queued.peak_allocated_mib, queued.peak_reserved_mib, mfu, fit, queued.aligned)
+        return UpdateRow(update, self.source.recorded_kind(update, kind), loss, seconds, tokens, tps, lr_scale,
+                         peak_allocated, peak_reserved, mfu, fit, aligned)
 
     def _grad_norms(self) -> tuple[list[str], torch.Tensor]:
         """Each gradient's name and norm, the norms queued on the device (one fused kernel per dtype)."""
@@ -347,14 +311,8 @@ class Trainer:
             align_every: int = 0, on_warning=None) -> list[UpdateRow]:
         """Train `updates` updates (default: the rest of train.updates). With an `evaluator`, the model is also
         evaluated before the first update of a fresh run, every train.eval_every updates and after the last.
-        A stalled loss (LossWatch) is said as a warning line and handed to `on_warning` as a dict.
-
-        With train.overlap, each update is queued before the one before it is read (rt.InFlight): its row, and
-        `on_row`, come once the next update is on the device. An update is read before the next is queued where
-        the trained state is read after it: before a checkpoint (every train.checkpoint_every updates, which
-        `on_row` writes), an evaluation, and at the end; and where the schedule picks the next update's kind from
-        what this one measured (Plan.reads). A non-finite update stops the run when it is read, with
-        the next update queued but never read, checkpointed or evaluated."""
+        Each row goes to `on_row` as it is made (which writes it, and checkpoints every train.checkpoint_every
+        updates); a stalled loss (LossWatch) is said as a warning line and handed to `on_warning` as a dict."""
         from tqdm import tqdm
 
         count = updates if updates is not None else self.cfg.train.updates - self.update_index
@@ -366,9 +324,8 @@ class Trainer:
         say = bar.write if progress else (lambda line: print(line, flush=True))
         if evaluator is not None and self.update_index == 0:
             self.evaluate(evaluator, on_eval, say)
-
-        def read(queued: QueuedUpdate) -> None:
-            row = self.read_update(queued)
+        for i in bar:
+            row = self.advance(evaluator, on_eval, align_every, last=i == count - 1, say=say)
             rows.append(row)
             if on_row is not None:
                 on_row(row)
@@ -380,21 +337,6 @@ class Trainer:
                 say(f"warning: {warning}")
                 if on_warning is not None:
                     on_warning({"update": row.update, "warning": warning})
-
-        in_flight = rt.InFlight()
-        every_checkpoint = self.cfg.train.checkpoint_every
-        for i in bar:
-            update = self.update_index
-            evaluates = evaluator is not None and self.evaluates_after(update, last=i == count - 1)
-            settle = (not self.cfg.train.overlap or evaluates or i == count - 1
-                      or bool(every_checkpoint and (update + 1) % every_checkpoint == 0)
-                      or self.plan.reads(self.update_kind(update)))
-            align = self.aligns(update, align_every)
-            in_flight.launch(lambda: self.queue_update(align, settled=settle), read)
-            if settle:
-                in_flight.settle()
-            if evaluates:
-                self.evaluate(evaluator, on_eval, say)
         return rows
 
 

@@ -10,20 +10,27 @@ from benchmark_scripts import load
 from creditlab import config
 
 
-def test_every_arm_and_modifier_is_a_valid_seed_config():
+def test_every_arm_a_benchmark_script_names_is_a_valid_seed_config():
+    import re
+
     arms = load("arms")
-    names = list(arms.ARMS) + [f"native+{m}" for m in arms.MODIFIERS] + ["native+keep_mlp+tuned"]
-    for name in names:
-        cfg = config.load("seed", arms.overrides_of(name))
-        assert cfg.model.layers == 8, name
-    assert config.load("seed", arms.overrides_of("native+keep_norm_qk")).model.recompute_parts == {"mlp"}
-    assert config.load("seed", arms.overrides_of("teacher+fit32")).credit.fit_precision == "float32"
+    scripts = Path(__file__).resolve().parents[1] / "benchmarks"
+    named = [m for f in sorted(scripts.glob("*.sh"))
+             for m in re.findall(r"--arms\s+(?:\\\n\s*)?\"?([^\s\"]+)", f.read_text()) if "$" not in m]
+    assert len(named) >= 4, named
+    labels = [label for text in named for label in arms.arm_names(text)]
+    for label in labels:
+        assert config.load("seed", arms.overrides_of(label)).model.layers == 8, label
+    assert config.load("seed", arms.overrides_of("learned@credit.teacher_every=1")).credit.teacher_every == 1
+    assert config.load("seed", arms.overrides_of("native@model.head=fp8")).model.head == "fp8"
 
 
 def test_a_misspelt_arm_is_refused_with_the_valid_names():
     arms = load("arms")
-    with pytest.raises(SystemExit, match="unknown arm part.*keep_mpl.*modifiers: tuned"):
-        arms.overrides_of("native+keep_mpl")
+    with pytest.raises(SystemExit, match="unknown arm 'nativ'; arms: native, oracle, zero"):
+        arms.arm_names("zero,nativ")
+    with pytest.raises(SystemExit, match="not of the form section.key=value"):
+        arms.overrides_of("native@fp8_head")
 
 
 def test_interleaved_rounds_put_every_arm_in_every_position_equally():
@@ -231,9 +238,10 @@ def test_paired_differences_are_taken_round_by_round():
     assert arms.paired_ms(arm[:-1], base) is None  # not the same rounds
 
 
-@pytest.mark.parametrize("script", ["arms", "softcap_ce", "softcap_ce_held", "qk_norm", "relu2_mlp", "fit_rows", "fit_rows_variants", "norm_decode", "fp8_head", "head_loss", "products",
-                                    "embedding_grad", "batch_host", "relu2_hopper", "gate_decode", "qkv_rotary", "host_lead",
-                                    "attention_gate", "attention", "attention_grad_layouts", "overlap", "step_gradients"])
+@pytest.mark.parametrize("script", ["arms", "softcap_ce", "softcap_ce_held", "qk_norm", "relu2_mlp", "fit_rows",
+                                    "fit_rows_variants", "fp8_head", "head_loss", "products", "batch_host",
+                                    "relu2_hopper", "qkv_rotary", "host_lead", "attention_gate", "attention",
+                                    "attention_grad_layouts", "step_gradients"])
 def test_gpu_benchmarks_refuse_a_machine_without_cuda(script, tmp_path, monkeypatch, capsys):
     """Exit 2 with one line, and no output folder made, where no CUDA GPU is visible."""
     import sys
@@ -429,102 +437,6 @@ def test_host_lead_queues_one_sleep_before_the_updates_first_micro_batch_and_res
     events.clear()
     trainer.train_update()
     assert events == ["batch"] * 3
-
-
-def test_overlapped_arms_read_each_update_once_the_next_is_queued_into_its_own_arm():
-    import torch
-
-    from creditlab import runtime as rt
-    from creditlab.arms_runner import OwnMemory, run_rounds
-    from creditlab.data import SyntheticLoader
-    from creditlab.train import Trainer
-
-    arms = load("arms")
-    cpu = ["model.vocab_size=97", "model.seq_len=16", "model.width=32", "model.heads=2",
-           "train.micro_batch=2", "train.grad_accum=1", "train.device=cpu", "train.compile=off",
-           "train.dtype=float32"]
-    built = {}
-    for name in ("native", "zero"):
-        cfg = config.load("tiny", cpu + arms.overrides_of(name))
-        torch.manual_seed(0)
-        built[name] = {"name": name, "trainer": Trainer(cfg, loader=SyntheticLoader(97, 2, 16, seed=1)),
-                       "rows": [], "wall_s": 0.0}
-    own, in_flight, collector = OwnMemory(None), rt.InFlight(), arms.CollectorTime()
-    read = []  # rows read after each queued update
-
-    def step(at):
-        arms.run_update(built[at.arm], own, collector, in_flight)
-        read.append(sum(len(a["rows"]) for a in built.values()))
-
-    run_rounds(list(built), 3, step)
-    in_flight.settle()
-    assert [len(a["rows"]) for a in built.values()] == [3, 3]
-    assert all(a["trainer"].source.name == ("exact" if n == "native" else "zero") for n, a in built.items())
-    assert [r.update for r in built["native"]["rows"]] == [0, 1, 2] and all(r.kind == "synthetic"
-                                                                             for r in built["zero"]["rows"])
-    # each update read only once the next one (another arm's) was queued: k updates queued, k - 1 read
-    assert read == [0, 1, 2, 3, 4, 5]
-
-
-class _LoggedTrainer:
-    """A trainer's queue and read, logged; each update's seconds are its arm's number."""
-
-    def __init__(self, name, log, seconds):
-        self.name, self.log, self.seconds = name, log, seconds
-
-    def queue_update(self):
-        self.log.append(f"queue {self.name}")
-        return self.name
-
-    def read_update(self, queued):
-        import types
-
-        self.log.append(f"read {queued}")
-        return types.SimpleNamespace(seconds=self.seconds)
-
-    def train_update(self):
-        return self.read_update(self.queue_update())
-
-
-def test_the_overlap_benchmark_reads_each_update_after_the_next_is_queued_and_leaves_out_the_blocks_first():
-    overlap = load("overlap")
-    log = []
-    trainers = {n: _LoggedTrainer(n, log, s) for n, s in (("a", 1.0), ("b", 2.0), ("c", 3.0))}
-    syncs = []
-    seconds, wall = overlap.overlapped_block(trainers, ["b", "c", "a"], lambda: syncs.append(len(log)))
-    assert log == ["queue b", "queue c", "read b", "queue a", "read c", "read a"]
-    assert seconds == {"c": 3.0, "a": 1.0} and wall >= 0 and syncs == [0]  # b led in from an idle device
-    log.clear()
-    seconds, _ = overlap.settled_block(trainers, ["c", "a", "b"], lambda: None)
-    assert log == ["queue c", "read c", "queue a", "read a", "queue b", "read b"] and seconds == {"a": 1, "b": 2, "c": 3}
-
-
-def test_the_overlap_benchmark_pairs_each_arms_kinds_round_by_round(tmp_path):
-    overlap = load("overlap")
-    trainers = {n: _LoggedTrainer(n, [], s) for n, s in (("a", 1.0), ("b", 2.0))}
-    result = overlap.run(trainers, 6, lambda: None, say=lambda line: None)
-    # the arm that leads a round's overlapped block has no overlapped time that round; the order rotates
-    assert result["times"]["overlapped"]["a"] == [None, 1.0] * 3 and result["times"]["settled"]["a"] == [1.0] * 6
-    assert result["times"]["overlapped"]["b"] == [2.0, None] * 3
-    # ten rounds in which a's overlapped updates are 0.25 s faster than its settled ones, b's as fast
-    result["times"]["overlapped"]["a"] = [None, 0.75] * 5
-    result["times"]["settled"]["a"] = [1.0] * 10
-    result["times"]["overlapped"]["b"] = [2.0, None] * 5
-    result["times"]["settled"]["b"] = [2.0] * 10
-    result["wall_per_update"] = {"settled": [1.5] * 10, "overlapped": [1.4] * 10}
-    summary, lines = overlap.summarize(result)
-    assert summary["arms"]["a"]["overlapped_less_settled_ms"][0] == pytest.approx(-250.0)
-    assert summary["arms"]["a"]["rounds"] == 4 and summary["arms"]["b"]["rounds"] == 4
-    assert summary["arms"]["b"]["overlapped_less_settled_ms"][0] == pytest.approx(0.0)
-    assert summary["wall_overlapped_less_settled_ms"][0] == pytest.approx(-100.0)
-    assert any(line.startswith("| a | 1.0000 | 0.7500 | -250.0") for line in lines)
-    # the figure's points: the same rounds, each round's difference
-    result.update(summary)
-    series = load("plot").overlap_rounds_ms(result)
-    assert series["a"] == pytest.approx([-250.0] * 4) and series["b"] == pytest.approx([0.0] * 4)
-    assert series["wall per update"] == pytest.approx([-100.0] * 8)
-    (tmp_path / "o.json").write_text(json.dumps(result))
-    assert load("plot").plot_overlap(tmp_path / "o.json", tmp_path, "o.png").stat().st_size > 0
 
 
 def test_the_attention_benchmark_checks_each_kernel_against_float64_and_can_fail():

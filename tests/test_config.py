@@ -35,8 +35,8 @@ def test_seed_preset_matches_design_section_2():
     assert (t.micro_batch, t.grad_accum) == (64, 4)
     assert t.seed == 42261
     # The head may be padded for speed: a multiple of the pad size, at least the vocabulary, less than one pad more.
-    assert m.padded_vocab % m.vocab_pad_multiple == 0
-    assert m.vocab_size <= m.padded_vocab < m.vocab_size + m.vocab_pad_multiple
+    assert m.padded_vocab % config.VOCAB_PAD == 0
+    assert m.vocab_size <= m.padded_vocab < m.vocab_size + config.VOCAB_PAD
     assert m.padded_vocab == 12_352
     s = config.load("seed").screen
     assert (s.updates, s.seed, s.window) == (12, 42261, 6)
@@ -133,26 +133,21 @@ def test_bad_values_raise_a_clear_error(override, words):
     (["train.grad_accum=0"], "train.grad_accum"),
     (["train.loss_chunk=0"], "train.loss_chunk"),
     (["train.compile=sometimes"], "train.compile"),
-    (["train.sdpa=fast"], "train.sdpa"),
     (["train.device=tpu"], "train.device"),
     (["train.dtype=fp8"], "train.dtype"),
     (["train.cooldown_frac=1.5"], "cooldown_frac"),
     (["credit.rank=0"], "credit.rank"),
     (["credit.teacher_every=-1"], "teacher_every"),
-    (["credit.fit_rows=triton"], "credit.fit_rows"),
-    (["credit.decode=inside"], "credit.decode"),
-    (["credit.products=cublas"], "credit.products"),
     (["model.head=fp16"], "model.head"),
     (["model.head=fp8", "train.loss_chunk=100"], "train.loss_chunk to be a multiple of 16"),
-    (["model.head=fp8", "model.vocab_pad_multiple=1", "model.vocab_size=101"], "padded vocabulary"),
+    (["model.head=fp8", "model.width=72", "model.heads=4"], "model.width to be a multiple of 16"),
     # out of range: each message names the key, the value and the range
-    # learning rates and weight decay: finite and >= 0 (what torch's optimizers take)
+    # learning rates: finite and >= 0 (what torch's optimizers take)
     (["train.lr_muon=-1"], "train.lr_muon must be a finite number >= 0, got -1.0"),
     (["train.lr_muon=nan"], "train.lr_muon must be a finite number >= 0, got nan"),
     (["train.lr_embed=-0.1"], "train.lr_embed must be a finite number >= 0, got -0.1"),
     (["train.lr_head=inf"], "train.lr_head must be a finite number >= 0, got inf"),
     (["train.lr_scalar=-1"], "train.lr_scalar must be a finite number >= 0, got -1.0"),
-    (["train.weight_decay=nan"], "train.weight_decay must be a finite number >= 0, got nan"),
     (["credit.predictor_lr=-1e-2"], "credit.predictor_lr must be a finite number >= 0, got -0.01"),
     (["credit.fit_ridge=nan"], "credit.fit_ridge must be a finite number >= 0, got nan"),
     # the model's shape and numbers
@@ -168,9 +163,6 @@ def test_bad_values_raise_a_clear_error(override, words):
     # the training loop
     (["train.log_every=0"], "train.log_every must be positive, got 0"),
     (["train.warmup=-5"], "train.warmup must be >= 0, got -5"),
-    (["train.activation_budget=-1"], "train.activation_budget must lie in (0, 1], got -1.0"),
-    (["train.activation_budget=0"], "train.activation_budget must lie in (0, 1], got 0.0"),
-    (["train.activation_budget=1.5"], "train.activation_budget must lie in (0, 1], got 1.5"),
     (["train.cooldown_frac=nan"], "train.cooldown_frac must lie in [0, 1], got nan"),
     (["train.device=cpu", "train.dtype=bf16"], "train.dtype=bf16 (autocast) needs CUDA"),
     # the screen's shape and gates
@@ -196,7 +188,7 @@ def test_invalid_values_and_combinations_are_rejected_naming_the_key_and_value(o
 
 @pytest.mark.parametrize("override", [
     "train.lr_muon=0", "train.lr_embed=0", "credit.predictor_lr=0", "model.gate_dim=1", "model.value_embeds=0",
-    "train.warmup=0", "train.log_every=1", "train.activation_budget=1", "train.activation_budget=0.5",
+    "train.warmup=0", "train.log_every=1",
     "model.rope_base=0.5", "model.logit_cap=1e-3", "screen.cap_gpu_s=0", "screen.memory_cap_mib=0",
     "screen.window=1", "screen.updates=1", "compare.reference=zero",
     "compare.reference=learned@credit.schedule=warmup:20,4", "train.device=cuda", "train.dtype=bf16",
@@ -210,9 +202,14 @@ def test_range_boundaries_are_accepted(override):
     assert got == (type(got)(value) if not isinstance(got, str) else value), (override, got)
 
 
-def test_reference_arms_are_every_arm_but_native_and_the_budgeted():
-    assert set(config.REFERENCE_ARMS) == {name for name, arm in arms.ARMS.items()
-                                          if name != "native" and not arm.budgeted}
+def test_every_source_is_an_arm_of_its_name_and_a_possible_reference():
+    from creditlab.credit import registry
+
+    assert set(arms.ARMS) == {*registry.SOURCES, "native", "intermittent"} - {"exact"}
+    assert arms.ARMS["learned"].overrides == ("credit.source=learned",) and arms.ARMS["learned"].about
+    for name in registry.SOURCES:
+        if name != "exact":
+            assert config.load("tiny", [f"compare.reference={name}"]).compare.reference == name
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -247,12 +244,6 @@ def test_boundary_combinations_are_accepted():
     config.load("seed", ["model.head=fp8"])  # the seed shape's sizes are all multiples of 16
 
 
-def test_zero_vocab_pad_multiple_is_a_config_error():
-    with pytest.raises(ConfigError):
-        cfg = config.load("tiny", ["model.vocab_pad_multiple=0"])
-        cfg.model.padded_vocab  # noqa: B018 - what building the model reads first
-
-
 @pytest.mark.parametrize("preset", sorted(config.PRESETS))
 def test_to_dict_from_dict_round_trip(preset):
     cfg = config.load(preset, ["model.logit_cap=20", "credit.materialized=on", "data.dir=x/y",
@@ -277,31 +268,20 @@ def test_from_dict_coerces_int_to_float_and_rejects_wrong_types():
         Config.from_dict({"model": {"nope": 1}})
 
 
+def test_a_record_of_settings_that_no_longer_exist_names_the_commit_that_reads_it(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model": {"layers": 2, "recompute": "none"},
+                                                      "train": {"overlap": False}}))
+    (tmp_path / "env.json").write_text(json.dumps({"git_sha": "88f821f"}))
+    with pytest.raises(ConfigError) as exc:
+        config.read_record_config(tmp_path)
+    assert "model.recompute, train.overlap" in str(exc.value) and "git checkout 88f821f" in str(exc.value)
+    (tmp_path / "config.json").write_text(json.dumps({"model": {"layers": "two"}}))  # a bad value stays an error
+    with pytest.raises(ConfigError, match="model.layers"):
+        config.read_record_config(tmp_path)
+
+
 def test_from_dict_reads_strings_as_overrides_do():
     cfg = Config.from_dict({"model": {"layers": "6"}, "credit": {"materialized": "yes"}})
     assert cfg.model.layers == 6 and cfg.credit.materialized is True
 
 
-def test_an_unknown_compile_mode_is_an_error_naming_the_modes():
-    with pytest.raises(config.ConfigError, match="max-autotune-no-cudagraphs"):
-        config.load("tiny", ["train.compile_mode=fastest"])
-
-
-def test_every_compile_mode_is_one_the_compiler_takes():
-    """A mode passed as per-compile options names inductor settings that exist (a misspelt key would reach the
-    compiler only at the first step on the GPU); the rest are torch.compile's own modes."""
-    import torch
-    import torch._inductor.config as inductor_config
-
-    from creditlab import runtime
-
-    assert set(runtime.COMPILE_OPTIONS) <= set(config.COMPILE_MODES)
-    for mode in config.COMPILE_MODES:
-        if mode in runtime.COMPILE_OPTIONS:
-            for key in runtime.COMPILE_OPTIONS[mode]:
-                node = inductor_config
-                for part in key.split("."):
-                    assert hasattr(node, part), f"{mode}: inductor has no setting {key}"
-                    node = getattr(node, part)
-        elif mode != "default":
-            assert mode in torch._inductor.list_mode_options(), mode

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 
 import pytest
@@ -79,99 +81,92 @@ def test_check_counts_which_products_are_omitted_not_only_how_many(monkeypatch):
         return linear(self, x.detach() if wrong else x)
 
     monkeypatch.setattr(torch.nn.Linear, "forward", gate_reads_detached)
-    # the mutant reaches the gate through nn.Linear: the plain gate (the fused one's operator is counted by
+    # the mutant reaches the gate through nn.Linear: the op-by-op gate (the fused one's operator is counted by
     # test_native_backward_reads_every_block_matrix)
-    wrong = checks.omission_check(dataclasses.replace(SMALL, attn_gate="plain"), 0, synthetic=_GateInsteadOfQKV)
+    wrong = checks.omission_check(SMALL, 0, synthetic=_GateInsteadOfQKV, op_by_op=True)
     assert wrong["omitted"] == 16 and not wrong["passed"]  # a count alone would have passed it
     assert all(name.endswith("attn.gate.weight") for name in wrong["omitted_but_not_intended"])
     assert all(name.endswith("attn.qkv.weight") for name in wrong["intended_but_computed"])
 
 
-@pytest.mark.parametrize("mlp, dgrad, qk, gate", [("fused", "gluon", "fused", "plain"), ("fused", "triton", "fused", "plain"),
-                                                  ("plain", "gluon", "fused", "plain"),
-                                                  ("fused", "gluon", "product", "fused"),
-                                                  ("fused", "gluon_overlapped", "product", "fused")])
-def test_native_backward_reads_every_block_matrix(mlp, dgrad, qk, gate):
-    # so that an input-gradient product computed inside an operator (the fused MLP's relu2_dgrad, or
-    # relu2_dgrad_gluon, model.mlp_dgrad; the attention gate's thin_linear_backward, model.attn_gate=fused), or
-    # after one (model.qk=product), is seen too
-    cfg = dataclasses.replace(SMALL, mlp=mlp, mlp_dgrad=dgrad, qk=qk, attn_gate=gate, recompute="none")
-    model = checks.randomized_model(cfg, 0)
-    idx, targets = checks._batch(cfg, 0)
-    read = checks.products_read_in_backward(model, idx, targets, ExactCredit())
+@pytest.mark.parametrize("op_by_op", [False, True])
+def test_native_backward_reads_every_block_matrix(op_by_op):
+    # so that an input-gradient product computed inside an operator (the fused MLP's relu2_dgrad_gluon; the
+    # attention gate's thin_linear_backward), or after one (the Q/K/V product's epilogue), is seen too
+    model = checks.randomized_model(SMALL, 0)
+    idx, targets = checks._batch(SMALL, 0)
+    with model.op_by_op() if op_by_op else contextlib.nullcontext():
+        read = checks.products_read_in_backward(model, idx, targets, ExactCredit())
     matrices = {name for name, p in model.named_parameters() if name.startswith("blocks.") and p.ndim == 2}
     assert matrices <= read, sorted(matrices - read)
 
 
-def test_the_omission_check_passes_with_qk_norm_in_the_qkv_products_epilogue_and_the_one_pass_gate():
-    for options in ({"qk": "product"}, {"attn_gate": "fused"}):
-        result = checks.omission_check(dataclasses.replace(SMALL, **options), 0)
-        assert result["passed"] and result["omitted"] == result["expected"] == SMALL.branches, (options, result)
+@pytest.mark.parametrize("op_by_op", [False, True])
+def test_the_omission_check_passes_with_the_fused_modules_and_their_op_by_op_forms(op_by_op):
+    result = checks.omission_check(SMALL, 0, op_by_op=op_by_op)
+    assert result["passed"] and result["omitted"] == result["expected"] == SMALL.branches, result
 
 
 def _qk_product_credits():
-    """(name, credit factory) for every way a credit context forms the Q/K/V product: the plain product (exact,
-    zero, learned), the sketch's own product, and an attention branch's product merged with its state gate."""
+    """(name, credit factory) for every way a credit context forms the Q/K/V product: the model's product (exact,
+    zero, learned) and the sketch's own product."""
     from creditlab.credit.sketch import SketchCredit
 
-    def learned(gates):
-        def make():
-            src = LearnedSource(SMALL, CreditConfig(rank=8, gates=gates)).double()
-            torch.manual_seed(1)
-            with torch.no_grad():
-                for p in src.parameters():
-                    p.normal_(0.0, 0.3)
-            return src.step()
-        return make
+    def learned():
+        src = LearnedSource(SMALL, CreditConfig(rank=8)).double()
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for p in src.parameters():
+                p.normal_(0.0, 0.3)
+        return src.step()
 
     def sketch():  # a rank-8 orthonormal basis per branch
         torch.manual_seed(2)
         return SketchCredit(torch.linalg.qr(torch.randn(SMALL.branches, SMALL.width, 8, dtype=torch.float64))[0])
 
-    return [("exact", ExactCredit), ("zero", lambda: ZeroSource().step()), ("learned", learned("separate")),
-            ("learned_merged_gates", learned("merged")), ("sketch", sketch)]
+    return [("exact", ExactCredit), ("zero", lambda: ZeroSource().step()), ("learned", learned),
+            ("sketch", sketch)]
 
 
-def _grads_under(key: str, values: tuple[str, str], make) -> dict[str, dict[str, torch.Tensor]]:
-    """Each value of model.<key>: the float64 trunk gradients of the same randomized model and batch under the
-    credit context make() gives."""
-    grads = {}
-    for value in values:
-        cfg = dataclasses.replace(SMALL, **{key: value})
-        model = checks.randomized_model(cfg, 0)
-        idx, targets = checks._batch(cfg, 0)
-        grads[value] = checks._trunk_grads(model, idx, targets, make())
+def _fused_and_op_by_op_grads(make) -> dict[str, dict[str, torch.Tensor]]:
+    """The float64 trunk gradients of the same randomized model and batch under the credit context make() gives,
+    with the model's fused modules ("fused") and in their op-by-op forms ("op_by_op")."""
+    model = checks.randomized_model(SMALL, 0)
+    idx, targets = checks._batch(SMALL, 0)
+    grads = {"fused": checks._trunk_grads(model, idx, targets, make())}
+    with model.op_by_op():
+        grads["op_by_op"] = checks._trunk_grads(model, idx, targets, make())
     return grads
 
 
 @pytest.mark.parametrize("name", [name for name, _ in _qk_product_credits()])
 def test_qk_norm_in_the_qkv_products_epilogue_gives_every_sources_gradients(name, monkeypatch):
-    """model.qk=product (QK-norm and rotary inside the Q/K/V product, whose backward runs the QK-norm's backward
-    and then the product's) against model.qk=fused, float64: every trunk gradient to 1e-12, under every way a
-    credit context forms that product."""
+    """QK-norm and rotary inside the Q/K/V product (whose backward runs the QK-norm's backward and then the
+    product's) against QK-norm and rotary op by op after it, float64: every trunk gradient to 1e-12, under every
+    way a credit context forms that product."""
     from creditlab import qk_norm
 
     make = dict(_qk_product_credits())[name]
     calls, original = [], qk_norm.QKEpilogue.product
     monkeypatch.setattr(qk_norm.QKEpilogue, "product", lambda *a: calls.append(1) or original(*a))
-    grads = _grads_under("qk", ("fused", "product"), make)
-    assert max(checks._rel_errors(grads["product"], grads["fused"]).values()) < 1e-12
-    # the fused product ran where the context forms the product plainly; the sketch and merged gates form it
-    # themselves and apply the epilogue after it
-    assert len(calls) == (0 if name in ("sketch", "learned_merged_gates") else SMALL.layers), len(calls)
+    grads = _fused_and_op_by_op_grads(make)
+    assert max(checks._rel_errors(grads["fused"], grads["op_by_op"]).values()) < 1e-12
+    # the fused product ran where the context forms the product as the model gives it; the sketch forms it itself
+    # and applies the epilogue after it
+    assert len(calls) == (0 if name == "sketch" else SMALL.layers), len(calls)
 
 
 @pytest.mark.parametrize("name", ["exact", "zero", "learned"])
 def test_the_one_pass_attention_gate_gives_the_same_gradients(name, monkeypatch):
-    """model.attn_gate=fused (the gate's product through attention_gate.py's Function) against F.linear, float64:
+    """The attention gate's product through attention_gate.py's Function against F.linear (op by op), float64:
     every trunk gradient to 1e-12 under exact backprop, zero and learned; the Function ran at every layer."""
     from creditlab import attention_gate
 
     make = dict(_qk_product_credits())[name]
     calls, original = [], attention_gate._ThinLinear.apply
     monkeypatch.setattr(attention_gate._ThinLinear, "apply", lambda *a: calls.append(1) or original(*a))
-    grads = _grads_under("attn_gate", ("plain", "fused"), make)
-    assert max(checks._rel_errors(grads["fused"], grads["plain"]).values()) < 1e-12
+    grads = _fused_and_op_by_op_grads(make)
+    assert max(checks._rel_errors(grads["fused"], grads["op_by_op"]).values()) < 1e-12
     assert len(calls) == SMALL.layers
 
 
@@ -180,7 +175,7 @@ def test_the_qkv_products_backward_wiring_is_checked():
     hands W another gradient changes the native trunk gradients."""
     from creditlab import qk_norm
 
-    cfg = dataclasses.replace(SMALL, qk="product")
+    cfg = SMALL
     model = checks.randomized_model(cfg, 0)
     idx, targets = checks._batch(cfg, 0)
     right = checks._trunk_grads(model, idx, targets, ExactCredit())
@@ -493,7 +488,7 @@ def test_fused_fit_gradient_equals_the_explicit_regression_gradient():
 
 
 def test_low_precision_fit_products_match_float32_within_bf16_rounding():
-    """With a bf16 gradient, fit_precision=auto runs the fit's (B, T, d) products in bf16: its gradients agree
+    """With a bf16 gradient the fit runs its (B, T, d) products in bf16: its gradients agree
     with the float32 path to bf16 rounding, and differ from it (so the switch is real)."""
     from creditlab.credit.teacher import _FitBranch
 
@@ -613,10 +608,11 @@ def test_the_fitted_sources_are_the_ones_with_teacher_updates():
         assert make_source(cfg).fits == (name in FITTED_SOURCES), name
 
 
-def train_eager_and_compiled(overrides: list[str], monkeypatch) -> tuple[list, dict, dict]:
+def train_eager_and_compiled(overrides: list[str], monkeypatch, op_by_op: bool = False) -> tuple[list, dict, dict]:
     """The tiny preset trained eagerly and compiled with the `aot_eager` backend (no C++ toolchain needed); the
     compiled run must go through the compiler without falling back to eager, and train as the eager one does.
-    Returns the compiled run's rows, and both runs' losses and parameters (model and source) by `compiled`."""
+    `op_by_op`: the model's fused modules in their op-by-op forms. Returns the compiled run's rows, and both
+    runs' losses and parameters (model and source) by `compiled`."""
     import functools
     import warnings
 
@@ -630,7 +626,7 @@ def train_eager_and_compiled(overrides: list[str], monkeypatch) -> tuple[list, d
         with monkeypatch.context() as patch:
             patch.setattr(rt.torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
             trainer = Trainer(cfg, loader=SyntheticLoader(97, cfg.train.micro_batch, cfg.model.seq_len, seed=0))
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), trainer.model.op_by_op() if op_by_op else contextlib.nullcontext():
                 warnings.filterwarnings("error", message="torch.compile failed")
                 rows = trainer.run(progress=False)
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -651,114 +647,22 @@ def train_eager_and_compiled(overrides: list[str], monkeypatch) -> tuple[list, d
 def test_fitted_sources_train_the_same_through_the_compiler(name, fit, monkeypatch):
     """On the GPU the step is compiled by default; here the compiler traces the same step (teacher and synthetic
     micro-batches, the fits' autograd Functions)."""
-    # The plain MLP: with the fused one (test below) the compiled step can differ from the eager one in the last
-    # bit, and Muon's orthogonalization grows that to ~1e-3 within five updates.
+    # The op-by-op modules: with the fused ones (test below) the compiled step can differ from the eager one in the
+    # last bit, and Muon's orthogonalization grows that to ~1e-3 within five updates.
     rows, _, params = train_eager_and_compiled(["model.vocab_size=97", f"credit.source={name}", "train.updates=5",
-                                                "credit.teacher_every=2", f"credit.fit={fit}", "model.mlp=plain",
-                                                "model.recompute=mlp"], monkeypatch)
+                                                "credit.teacher_every=2", f"credit.fit={fit}"], monkeypatch,
+                                               op_by_op=True)
     assert [r.kind for r in rows] == ["teacher", "synthetic", "teacher", "synthetic", "teacher"]
     assert any(p.abs().max() > 0 for k, p in params[True].items() if k.endswith("decoders"))
 
 
-@pytest.mark.parametrize("options", [pytest.param(["model.qk=plain"], marks=pytest.mark.slow), ["model.qk=fused"],
-                                     pytest.param(["model.qk=product"], marks=pytest.mark.slow),
-                                     pytest.param(["model.attn_gate=fused"], marks=pytest.mark.slow)])
-def test_the_fused_modules_train_the_same_through_the_compiler(options, monkeypatch):
+def test_the_fused_modules_train_the_same_through_the_compiler(monkeypatch):
     """The fused MLP's, QK-norm's and attention gate's Functions (relu2.py, qk_norm.py, attention_gate.py) through
     the compiler, in teacher (exact) and synthetic (omitting) micro-batches of the learned source. Three updates:
     the compiled backward may sum a gradient's contributions in another order than the eager engine, and from the
     fourth update on Muon grows that last-bit difference past the tolerance."""
     rows, _, _ = train_eager_and_compiled(["model.vocab_size=97", "credit.source=learned", "train.updates=3",
-                                           "credit.teacher_every=2", "model.mlp=fused", *options], monkeypatch)
+                                           "credit.teacher_every=2"], monkeypatch)
     assert len(rows) == 3
 
 
-@pytest.mark.parametrize("source", [LearnedSource, TypedSource])
-def test_the_decode_inside_the_norm_backward_gives_the_streaming_gradients(source):
-    """credit.decode=fused (the correction decoded inside the branch norm's backward) against the plain streaming
-    injection, float64: every trunk gradient to 1e-12, with corrections that matter (zero is far off)."""
-    from creditlab.credit.predictor import FusedDecodeCredit
-
-    model = checks.randomized_model(SMALL, 0)
-    idx, targets = checks._batch(SMALL, 0)
-    grads = {}
-    for decode in ("plain", "fused"):
-        src = source(SMALL, CreditConfig(rank=8, decode=decode)).double()
-        torch.manual_seed(1)
-        with torch.no_grad():
-            for p in src.parameters():
-                p.normal_(0.0, 0.3)
-        credit = src.step()
-        assert isinstance(credit, FusedDecodeCredit) == (decode == "fused")
-        grads[decode] = checks._trunk_grads(model, idx, targets, credit)
-    assert max(checks._rel_errors(grads["fused"], grads["plain"]).values()) < 1e-12
-    zero = checks._trunk_grads(model, idx, targets, ZeroSource().step())
-    assert max(checks._rel_errors(zero, grads["plain"]).values()) > 1e-3
-    assert CreditConfig().decode == "plain"  # the default, until measured on the GPU
-
-
-@pytest.mark.parametrize("source, decode", [(LearnedSource, "plain"), (TypedSource, "plain"), (LearnedSource, "fused")])
-def test_merged_gates_give_the_separate_gates_gradients(source, decode):
-    """credit.gates=merged (each attention branch's state gate computed in its Q/K/V product) against the gate's
-    own product, float64: every trunk gradient, W_qkv's included, to 1e-12, with corrections that matter."""
-    from creditlab.credit.predictor import LearnedCredit
-
-    model = checks.randomized_model(SMALL, 0)
-    idx, targets = checks._batch(SMALL, 0)
-    grads = {}
-    for gates in ("separate", "merged"):
-        src = source(SMALL, CreditConfig(rank=8, decode=decode, gates=gates)).double()
-        torch.manual_seed(1)
-        with torch.no_grad():
-            for p in src.parameters():
-                p.normal_(0.0, 0.3)
-        credit = src.step()
-        assert isinstance(credit, LearnedCredit) and credit.merged_gates == (gates == "merged")
-        grads[gates] = checks._trunk_grads(model, idx, targets, credit)
-        assert not credit.waiting  # every noted attention branch had its product
-    assert max(checks._rel_errors(grads["merged"], grads["separate"]).values()) < 1e-12
-    zero = checks._trunk_grads(model, idx, targets, ZeroSource().step())
-    assert max(checks._rel_errors(zero, grads["separate"]).values()) > 1e-3
-    assert CreditConfig().gates == "separate"  # the default, until measured on the GPU
-
-
-def test_a_gate_merged_into_the_wrong_rows_is_caught():
-    """The check above can fail: gates read from the product's first rows instead of its last change the
-    gradients."""
-    from creditlab.credit import predictor as predictor_mod
-
-    model = checks.randomized_model(SMALL, 0)
-    idx, targets = checks._batch(SMALL, 0)
-    src = LearnedSource(SMALL, CreditConfig(rank=8, gates="merged")).double()
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in src.parameters():
-            p.normal_(0.0, 0.3)
-    right = checks._trunk_grads(model, idx, targets, src.step())
-    original = predictor_mod._ProductWithGate.forward
-
-    def first_rows(ctx, n, weight, gate_weight):
-        y, gate = original(ctx, n, weight, gate_weight)
-        return y, torch.sigmoid(y[..., :gate.shape[-1]])
-
-    predictor_mod._ProductWithGate.forward = staticmethod(first_rows)
-    try:
-        wrong = checks._trunk_grads(model, idx, targets, src.step())
-    finally:
-        predictor_mod._ProductWithGate.forward = staticmethod(original)
-    assert max(checks._rel_errors(wrong, right).values()) > 1e-3
-
-
-@pytest.mark.parametrize("option", ["credit.decode=fused", pytest.param("credit.gates=merged", marks=pytest.mark.slow),
-                                    pytest.param("credit.products=fused", marks=pytest.mark.slow)])
-def test_the_fused_decode_and_merged_gates_compile_to_one_graph_and_train_as_eager(option, monkeypatch):
-    cfg = load("tiny", ["model.vocab_size=97", "credit.source=learned", option])
-    source = make_source(cfg)
-    model = GPT(cfg.model)
-    idx = torch.randint(0, 97, (2, 16))
-    torch._dynamo.reset()
-    explained = torch._dynamo.explain(model)(idx, idx, credit=source.step())
-    assert explained.graph_break_count == 0, explained.break_reasons
-    rows, _, _ = train_eager_and_compiled(["model.vocab_size=97", "credit.source=learned", "train.updates=3",
-                                           "credit.teacher_every=2", option], monkeypatch)
-    assert [r.kind for r in rows] == ["teacher", "synthetic", "teacher"]

@@ -12,26 +12,22 @@ from creditlab import checks
 from creditlab import runtime as rt
 from creditlab.config import ModelConfig, load
 from creditlab.credit import make_source
-from creditlab.credit.fdfa import FDFASource, directional_derivative, jacobian_sums
+from creditlab.credit.fdfa import MOMENTUM, FDFASource, directional_derivative, jacobian_sums
 from creditlab.credit.sources import BranchInputCredit, InjectCredit
 from creditlab.data import SyntheticLoader
 from creditlab.model import ExactCredit
 from creditlab.relu2 import ReLU2
 from creditlab.train import Trainer
 
-# 8 layers, 16 branches, every parameter kind, recompute on, the fused modules: the pass switches them all off
-SMALL = dataclasses.replace(checks.seed_structure(), recompute="norm", mlp="fused", qk="fused", norm="keep_output")
+# 8 layers, 16 branches, every parameter kind, the fused modules: the pass runs them op by op
+SMALL = checks.seed_structure()
 # Small enough that the exact diagonal Jacobian is one pass per branch and thousands of draws run in a second.
-TINY = ModelConfig(layers=2, width=8, heads=2, mlp_hidden=16, seq_len=4, vocab_size=11, value_embeds=1, gate_dim=4,
-                   vocab_pad_multiple=8)
+TINY = ModelConfig(layers=2, width=8, heads=2, mlp_hidden=16, seq_len=4, vocab_size=11, value_embeds=1, gate_dim=4)
 
 
-def _recompute_flags(model) -> list:
-    return ([m.recompute for m in model.modules() if hasattr(m, "recompute")] +
-            [m.activation for m in model.modules() if hasattr(m, "activation")] +
-            [("qk", m.qk) for m in model.modules() if hasattr(m, "qk_epilogue")] +
-            [("gate", m.fused_gate) for m in model.modules() if hasattr(m, "fused_gate")] +
-            [("norm", m.keep_norm_output) for m in model.modules() if hasattr(m, "keep_norm_output")])
+def _fused_flags(model) -> list:
+    """Each fused module's switch: False (fused) before and after the forward-mode pass."""
+    return [m.op_by_op for m in model.modules() if isinstance(getattr(m, "op_by_op", None), bool)]
 
 
 def _terminal_error_and_corrections(model, idx, e):
@@ -41,15 +37,14 @@ def _terminal_error_and_corrections(model, idx, e):
     return torch.autograd.grad((x * e).sum(), rec.inputs)
 
 
-@pytest.mark.parametrize("qk, gate", [("fused", "plain"), ("product", "fused")])
-def test_forward_mode_derivative_is_the_adjoint_of_the_true_corrections(qk, gate):
+def test_forward_mode_derivative_is_the_adjoint_of_the_true_corrections():
     """<dX, e> = <u, c_b> for a tangent u at one branch's omitted input, and summed over branches for tangents
-    at all of them (float64, recompute on: the pass must turn it off and back on; the corrections come from the
-    fused modules, the tangents from the plain ones)."""
-    model = checks.randomized_model(dataclasses.replace(SMALL, qk=qk, attn_gate=gate), 0)
-    flags = _recompute_flags(model)
-    assert True in flags and ReLU2() in flags and ("qk", qk) in flags and ("norm", True) in flags
-    assert ("gate", gate == "fused") in flags
+    at all of them (float64; the corrections come from the fused modules, the tangents from their op-by-op forms,
+    which the pass switches to and back)."""
+    model = checks.randomized_model(SMALL, 0)
+    flags = _fused_flags(model)
+    assert flags and not any(flags)
+    assert isinstance(model.blocks[0].mlp.activation, ReLU2)
     idx, _ = checks._batch(SMALL, 0)
     g = torch.Generator().manual_seed(1)
     shape = (*idx.shape, SMALL.width)
@@ -63,7 +58,7 @@ def test_forward_mode_derivative_is_the_adjoint_of_the_true_corrections(qk, gate
     dX = directional_derivative(model, idx, lambda i, n: us[i])
     forward, adjoint = (dX * e).sum().item(), sum((u * c).sum() for u, c in zip(us, corrections)).item()
     assert abs(forward - adjoint) <= 1e-10 * abs(adjoint)
-    assert _recompute_flags(model) == flags
+    assert _fused_flags(model) == flags
 
 
 def _exact_diagonal_jacobians(model, idx) -> torch.Tensor:
@@ -134,9 +129,9 @@ def test_estimate_is_unbiased_and_its_transpose_is_not(tiny_jacobians, scales):
         assert -0.6 < slope < -0.4, (b, slope, errors[:, b])  # measured -0.50 to -0.53
     # The transposed estimate's mean square error is the asymmetry's square plus the same noise: it cannot fall
     # below the asymmetry. The branches with small Jacobians carry the others' noise (errors[-1] measured
-    # 0.03-0.41 unit, 0.04-0.48 scaled).
+    # 0.04-0.61 on this model's draw, whose head has 64 padded rows).
     assert (transposed[-1] > 0.95 * asymmetry).all(), (transposed[-1], asymmetry)
-    assert (errors[-1] < 0.6).all() and (errors[-1] < 0.5 * transposed[-1]).all(), (errors[-1], transposed[-1])
+    assert (errors[-1] < 0.7).all() and (errors[-1] < 0.5 * transposed[-1]).all(), (errors[-1], transposed[-1])
 
 
 def test_scales_from_the_operators_cut_the_worst_branchs_error(tiny_jacobians):
@@ -228,7 +223,7 @@ def test_tangent_scales_are_powers_of_two_against_the_operators_size():
 
 
 def test_fold_takes_the_first_estimate_whole_then_averages_and_skips_empty_ones():
-    cfg = load("tiny", ["credit.source=fdfa", "credit.fdfa_momentum=0.75"])
+    cfg = load("tiny", ["credit.source=fdfa"])
     source = make_source(cfg)
     B, d = cfg.model.branches, cfg.model.width
     first, second = torch.randn(B, d, d), torch.randn(B, d, d)
@@ -237,7 +232,7 @@ def test_fold_takes_the_first_estimate_whole_then_averages_and_skips_empty_ones(
     torch.testing.assert_close(source.operators, first)
     assert source.estimates.tolist() == [1, 0] + [1] * (B - 2)
     source.fold(second)
-    expected = 0.75 * first + 0.25 * second
+    expected = MOMENTUM * first + (1 - MOMENTUM) * second
     expected[1] = second[1]  # its first estimate, taken whole
     torch.testing.assert_close(source.operators, expected)
 
@@ -248,7 +243,7 @@ def test_fdfa_trains_end_to_end_and_checkpoints(tmp_path):
     overrides = ["model.vocab_size=97", "credit.source=fdfa", "train.updates=5", "credit.teacher_every=2"]
     cfg = load("tiny", overrides)
     trainer = Trainer(cfg, loader=SyntheticLoader(97, cfg.train.micro_batch, cfg.model.seq_len, seed=0))
-    flags = _recompute_flags(trainer.model)
+    flags = _fused_flags(trainer.model)
     rows = trainer.run(progress=False)
     assert [r.kind for r in rows] == ["teacher", "synthetic", "teacher", "synthetic", "teacher"]
     assert all((r.fit is not None) == (r.kind == "teacher") for r in rows)
@@ -258,7 +253,7 @@ def test_fdfa_trains_end_to_end_and_checkpoints(tmp_path):
     assert set(last["fit_branches"]) == {str(b) for b in range(cfg.model.branches)}
     source = trainer.source
     assert source.operators.abs().max() > 0 and (source.estimates > 0).any()
-    assert _recompute_flags(trainer.model) == flags
+    assert _fused_flags(trainer.model) == flags
 
     path = tmp_path / "ckpt.pt"
     trainer.save_checkpoint(path)

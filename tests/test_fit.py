@@ -15,7 +15,7 @@ from tests.test_train import ListLoader
 MODEL = seed_structure()
 OVERRIDES = [f"model.{k}={v}" for k, v in vars(MODEL).items()] + [
     "train.device=cpu", "train.compile=off", "train.dtype=float64", "train.micro_batch=2", "train.grad_accum=1",
-    "credit.rank=4", "credit.fit_precision=float32"]
+    "credit.rank=4"]
 
 
 def _setup(source: str, fit: str = "lstsq", seed: int = 3, extra: tuple[str, ...] = ()):

@@ -260,38 +260,31 @@ def test_no_forward_op_is_upcast_by_cuda_autocast(source):
     assert _upcast_by_cuda_autocast(lambda i: model.hidden(i, credit=credit_source.step()), idx) == []
 
 
-@pytest.mark.parametrize("gluon", ["gluon", "gluon_overlapped", "gluon_specialized"])
-def test_the_gluon_derivative_product_option_gives_the_same_gradients_in_float64(gluon):
-    # model.mlp_dgrad=gluon (or another Gluon form) routes the fused MLP's derivative product through its own
-    # operator, which off Hopper (and in float64) computes what model.mlp_dgrad=triton does: every parameter's
-    # gradient equal
-    idx, tgt = tokens(small_cfg(), batch=2, seed=4)
-    _assert_same_float64_gradients(f"model.mlp_dgrad={gluon}", "model.mlp_dgrad=triton", idx, tgt,
-                                   "blocks.0.mlp.fc.weight")
+def test_the_fused_modules_give_their_op_by_op_forms_gradients_in_float64():
+    # the norms keeping their output, QK-norm and rotary in the Q/K/V product's epilogue, the attention gate's thin
+    # product and ReLU^2 inside the MLP's products (through the Triton and Gluon operators' CPU paths) compute the
+    # functions their op-by-op forms compute: every parameter's float64 gradient equal; and the comparison can fail
+    cfg = small_cfg()
+    idx, tgt = tokens(cfg, batch=2, seed=4)
+    fused = _float64_grads(cfg, idx, tgt)
+    plain = _float64_grads(cfg, idx, tgt, op_by_op=True)
+    assert fused.keys() == plain.keys()
+    for name in plain:
+        assert plain[name].abs().max() > 0, name  # every parameter's path is live
+        assert torch.allclose(fused[name], plain[name], rtol=1e-12, atol=1e-14), name
+    other = _float64_grads(cfg, idx.roll(1, dims=1), tgt, op_by_op=True)
+    assert not torch.allclose(other["blocks.0.mlp.fc.weight"], plain["blocks.0.mlp.fc.weight"], rtol=1e-6)
 
 
-def test_the_gluon_expansion_option_routes_through_its_operator_with_the_same_float64_gradients():
-    # model.mlp_expand=gluon routes the fused MLP's expansion through its own operator (so that on Hopper it runs
-    # the Gluon kernel), which off Hopper computes what model.mlp_expand=triton does: every parameter's gradient
-    # equal, and the operator is the one called (the triton option's is not)
-    idx, tgt = tokens(small_cfg(), batch=2, seed=4)
-    _assert_same_float64_gradients("model.mlp_expand=gluon", "model.mlp_expand=triton", idx, tgt,
-                                   "blocks.0.mlp.fc.weight")
-    for option, want, other in (("gluon", "relu2_linear_gluon", "relu2_linear"),
-                                ("triton", "relu2_linear", "relu2_linear_gluon")):
-        model = GPT(small_cfg(f"model.mlp_expand={option}"))
-        with DispatchedOps() as ops:
-            model(idx[:, :8], tgt[:, :8])
-        assert f"creditlab.{want}.default" in ops.seen and f"creditlab.{other}.default" not in ops.seen, option
-
-
-@pytest.mark.parametrize("key", ["mlp_dgrad", "mlp_expand"])
-def test_a_record_from_before_a_gluon_option_reads_triton(key):
-    d = config.load("tiny").to_dict()
-    del d["model"][key]
-    assert getattr(config.Config.from_dict(d).model, key) == "triton"
-    with pytest.raises(config.ConfigError, match=key):
-        config.load("tiny", [f"model.{key}=cuda"])
+def test_the_model_routes_the_mlps_derivative_product_through_the_gluon_operator():
+    # the Gluon operator runs the Hopper kernel where it takes the operands and the Triton operator elsewhere: the
+    # model must call it (not the Triton operator directly), or Hopper never runs its kernel
+    cfg = small_cfg()
+    model = randomize(GPT(cfg))
+    idx, tgt = tokens(cfg, batch=2, seed=4)
+    with DispatchedOps() as ops:
+        model(idx, tgt).backward()
+    assert "creditlab.relu2_dgrad_gluon.default" in ops.seen and "creditlab.relu2_linear.default" in ops.seen
 
 
 def test_the_upcast_scan_flags_square():
@@ -300,74 +293,47 @@ def test_the_upcast_scan_flags_square():
     assert _upcast_by_cuda_autocast(relu_squared, h) == []
 
 
-@pytest.mark.parametrize("mlp, qk, norm", [("fused", "plain", "plain"), ("plain", "plain", "plain"),
-                                          ("fused", "fused", "plain"), ("fused", "fused", "keep_output"),
-                                          ("fused", "product", "keep_output")])
-@pytest.mark.parametrize("gate", ["plain", "fused"])
-def test_the_model_compiles_to_one_graph(mlp, qk, norm, gate):
+@pytest.mark.parametrize("op_by_op", [False, True])
+def test_the_model_compiles_to_one_graph(op_by_op):
     # A graph break splits the compiled step and stops fusion across it (a custom `jvp` on the fused MLP's
     # Functions once broke the graph at every MLP: 3,772 kernels per seed update instead of about 3,200).
+    import contextlib
+
     from creditlab.credit.sources import OmitCredit
 
-    cfg = config.load("tiny", ["model.vocab_size=97", f"model.mlp={mlp}", f"model.qk={qk}", f"model.norm={norm}",
-                               f"model.attn_gate={gate}",
-                               f"model.embed={'fused' if qk == 'fused' else 'plain'}"] +
-                      (["model.recompute=mlp"] if mlp == "plain" else []))
+    cfg = config.load("tiny", ["model.vocab_size=97"])
     model = GPT(cfg.model)
     idx = torch.randint(0, 97, (2, 16))
-    for credit in (ExactCredit(), OmitCredit()):
-        torch._dynamo.reset()
-        explained = torch._dynamo.explain(model)(idx, idx, credit=credit)
-        assert explained.graph_break_count == 0, explained.break_reasons
+    with model.op_by_op() if op_by_op else contextlib.nullcontext():
+        for credit in (ExactCredit(), OmitCredit()):
+            torch._dynamo.reset()
+            explained = torch._dynamo.explain(model)(idx, idx, credit=credit)
+            assert explained.graph_break_count == 0, explained.break_reasons
 
 
-@pytest.mark.parametrize("mlp, qk, norm, gate", [("plain", "plain", "plain", "plain"),
-                                                ("fused", "fused", "keep_output", "fused"),
-                                                ("fused", "product", "keep_output", "plain")])
-def test_the_compiled_model_gives_the_eager_gradients(mlp, qk, norm, gate):
+@pytest.mark.parametrize("op_by_op", [False, True])
+def test_the_compiled_model_gives_the_eager_gradients(op_by_op):
     """Every parameter's gradient through the compiler (aot_eager: no C++ toolchain needed) equals the eager
     engine's, in float32, with every weight random: zero-initialized projections give every branch's input a
     zero gradient, which hides a wrong branch backward (torch 2.11 compiled the keep_output norm's backward to
     zeros while its output was a same-dtype .to(); the first two updates of a fresh model trained identically)."""
-    cfg = small_cfg(f"model.mlp={mlp}", f"model.qk={qk}", f"model.norm={norm}", f"model.attn_gate={gate}",
-                    f"model.embed={'fused' if gate == 'fused' else 'plain'}",
-                    *(["model.recompute=mlp"] if mlp == "plain" else []))
+    import contextlib
+
+    cfg = small_cfg()
     model = randomize(GPT(cfg))
     idx, tgt = tokens(cfg, batch=2, seed=3)
     grads = {}
-    for compiled in (False, True):
-        torch._dynamo.reset()
-        forward = torch.compile(model, backend="aot_eager") if compiled else model
-        model.zero_grad(set_to_none=True)
-        forward(idx, tgt).backward()
-        grads[compiled] = {name: p.grad.clone() for name, p in model.named_parameters()}
+    with model.op_by_op() if op_by_op else contextlib.nullcontext():
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            forward = torch.compile(model, backend="aot_eager") if compiled else model
+            model.zero_grad(set_to_none=True)
+            forward(idx, tgt).backward()
+            grads[compiled] = {name: p.grad.clone() for name, p in model.named_parameters()}
     for name, eager in grads[False].items():
         assert eager.abs().max() > 0, name  # every parameter's path is live
         torch.testing.assert_close(grads[True][name], eager, rtol=1e-5, atol=1e-6 * eager.abs().max().item(),
                                    msg=lambda m, name=name: f"{name}: {m}")
-
-
-@pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("dtype", [None, torch.float32, torch.float64])
-def test_the_lookups_through_the_compiler_give_the_eager_gradients(dtype, fused):
-    """The embedding lookups cast to a dtype (the autocast dtype on CUDA), here also the tables' own: torch 2.11
-    compiled the fused lookups' backward wrong where the cast was a same-dtype .to()."""
-    from creditlab.embedding import lookups
-
-    g = torch.Generator().manual_seed(0)
-    tables = [torch.randn(11, 8, generator=g, requires_grad=True) for _ in range(3)]
-    ids = torch.randint(0, 11, (2, 5), generator=g)
-
-    def loss(*tables):
-        x0, *ves = lookups(ids, list(tables), dtype, fused=fused)
-        return sum(((x0 * ve) ** 2).sum() + (ve * i).sum() for i, ve in enumerate(ves, 2)) + (3 * x0).sum()
-
-    eager = torch.autograd.grad(loss(*tables), tables)
-    torch._dynamo.reset()
-    compiled = torch.autograd.grad(torch.compile(loss, backend="aot_eager")(*tables), tables)
-    for got, want in zip(compiled, eager):
-        assert want.abs().max() > 0
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
 
 
 def test_the_fused_modules_operators_declare_their_outputs_truthfully():
@@ -380,7 +346,7 @@ def test_the_fused_modules_operators_declare_their_outputs_truthfully():
     q, k, v, scales = qk_norm.forward_op(qkv, cos, sin, 2)
     post = relu2.relu2_linear(x, w_kn.t())
     cases = [(relu2.relu2_linear, (x, w)), (relu2.relu2_dgrad, (x, w_kn, post)),
-             (relu2.relu2_dgrad_gluon, (x, w_kn, post)), (relu2.relu2_dgrad_gluon, (x, w_kn, post, "specialized")),
+             (relu2.relu2_dgrad_gluon, (x, w_kn, post)),
              (qk_norm.forward_op, (qkv, cos, sin, 2)), (qk_norm.backward_op, (q, k, v, q, k, scales, cos, sin))]
     for op, args in cases:
         result = torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
@@ -390,8 +356,7 @@ def test_the_fused_modules_operators_declare_their_outputs_truthfully():
 def test_the_fp8_head_trains_the_same_model_through_quantized_products():
     """model.head=fp8 changes only the head's products: the loss to FP8 precision, every parameter's gradient
     near the plain head's and not equal to it; evaluation (loss_sum) is the plain head's."""
-    plain_cfg, fp8_cfg = small_cfg("model.vocab_pad_multiple=16"), small_cfg("model.vocab_pad_multiple=16",
-                                                                               "model.head=fp8")
+    plain_cfg, fp8_cfg = small_cfg(), small_cfg("model.head=fp8")
     plain, fp8 = randomize(GPT(plain_cfg)), randomize(GPT(fp8_cfg))
     idx, tgt = tokens(plain_cfg, batch=2, seed=6)
     losses, grads = [], []
@@ -406,44 +371,10 @@ def test_the_fp8_head_trains_the_same_model_through_quantized_products():
         assert fp8.loss_sum(idx, tgt).item() == plain.loss_sum(idx, tgt).item()
 
 
-def _float64_grads(cfg, idx, tgt):
+def _float64_grads(cfg, idx, tgt, op_by_op: bool = False):
+    import contextlib
+
     model = randomize(GPT(cfg).double())
-    model(idx, tgt).backward()
+    with model.op_by_op() if op_by_op else contextlib.nullcontext():
+        model(idx, tgt).backward()
     return {name: p.grad for name, p in model.named_parameters()}
-
-
-def test_the_fused_lookups_give_autograds_gradients_in_float64():
-    # model.embed=fused: the token and value tables' backward as one operation (its CPU path, index_add); every
-    # parameter's gradient equals the plain lookups', with the inputs' frequent repeats of a few ids
-    idx, tgt = tokens(small_cfg(), batch=2, seed=3)
-    idx[0, :9] = 5
-    idx[1, 4:] = 5
-    # the comparison can fail: another input's gradients differ in the tables
-    _assert_same_float64_gradients("model.embed=fused", "model.embed=plain", idx, tgt, "embed.weight")
-
-
-def _assert_same_float64_gradients(option: str, reference: str, idx, tgt, sensitive: str):
-    """Every parameter's float64 gradient under `option` equals the one under `reference`; and the comparison can
-    fail: with the input rolled, parameter `sensitive` gets another gradient."""
-    got = _float64_grads(small_cfg(option), idx, tgt)
-    want = _float64_grads(small_cfg(reference), idx, tgt)
-    assert got.keys() == want.keys()
-    for name in want:
-        assert torch.allclose(got[name], want[name], rtol=1e-12, atol=1e-14), name
-    other = _float64_grads(small_cfg(reference), idx.roll(1, dims=1), tgt)
-    assert not torch.allclose(other[sensitive], want[sensitive], rtol=1e-6)
-
-
-def test_fused_lookups_refuse_tables_of_different_vocabularies():
-    from creditlab.embedding import lookups
-
-    with pytest.raises(ValueError, match="one vocabulary"):
-        lookups(torch.zeros(3, dtype=torch.long), [torch.zeros(5, 4), torch.zeros(6, 4)])
-
-
-def test_a_record_from_before_the_fused_lookups_reads_plain():
-    d = config.load("tiny").to_dict()
-    del d["model"]["embed"]
-    assert config.Config.from_dict(d).model.embed == "plain"
-    d["model"]["embed"] = "fused"
-    assert config.Config.from_dict(d).model.embed == "fused"

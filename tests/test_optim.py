@@ -197,13 +197,7 @@ def test_the_grouped_muon_comparison_fails_for_another_iteration_count():
     assert max((a - b).abs().max().item() for a, b in zip(got, want)) > 1e-4
 
 
-def test_train_muon_chooses_the_implementation():
-    model = small_model()
+def test_the_trainer_steps_the_hidden_matrices_with_the_grouped_muon():
     from creditlab.optim import GroupedMuon
 
-    assert type(Optimizers(model, config.load("tiny", SMALL).train).muon) is GroupedMuon  # the default
-    plain = Optimizers(model, config.load("tiny", SMALL + ["train.muon=torch"]).train).muon
-    assert type(plain) is torch.optim.Muon
-    assert config.Config.from_dict({"train": {"lr_muon": 0.02}}).train.muon == "torch"  # a record from before
-    with pytest.raises(config.ConfigError, match="train.muon must be torch|grouped"):
-        config.load("tiny", SMALL + ["train.muon=batched"])
+    assert type(Optimizers(small_model(), config.load("tiny", SMALL).train).muon) is GroupedMuon

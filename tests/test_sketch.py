@@ -176,7 +176,7 @@ class _OutputTap(ExactCredit):
         self.outputs = []
 
     def product(self, index, n, weight, activation=None):
-        if isinstance(activation, QKEpilogue):  # model.qk=product: the product, kept, then the epilogue
+        if isinstance(activation, QKEpilogue):  # the Q/K/V product: the product, kept, then its epilogue
             y = super().product(index, n, weight)
             self.outputs.append(y)
             return activation.after(y)

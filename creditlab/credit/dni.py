@@ -30,6 +30,7 @@ class DNISource(FittedSource):
     (~1e-4 here): steps of the fit's Adam, about its learning rate in size, overshoot that at once."""
 
     name, omits = "dni", True
+    about = "predicted from each branch's own state, fitted on teacher updates"
 
     def __init__(self, width: int, branches: int, credit: CreditConfig):
         super().__init__(credit)

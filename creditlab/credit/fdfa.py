@@ -11,7 +11,7 @@ The estimator. On a teacher update one forward-mode pass of x_L = model.hidden(i
 dX = sum_b J_b u_b, and J_hat_b = dX^T U_b / N over the N = B*T tokens. With the tangents independent, zero-mean
 and of unit variance, every term pairing u_b with a different branch, token or channel has zero mean, so J_hat_b
 is an unbiased estimate of the token-averaged J_{b,tt}; each teacher update's estimate (summed over its
-micro-batches) is folded into M_b with momentum credit.fdfa_momentum.
+micro-batches) is folded into M_b with momentum MOMENTUM (0.9: the weight of the past).
 
 Choices:
 
@@ -30,10 +30,8 @@ Choices:
 * The tangents are regenerated from per-branch seeds for the products dX^T U_b, not kept from the pass: held
   together, one (B, T, d) tangent per branch would be the largest thing the estimator needs.
 * The pass runs without gradients (dual tensors propagate under no_grad, so nothing is taped), with attention on
-  the math kernel (the fused kernels have no forward-mode derivative), with the plain MLP and QK-norm (likewise),
-  and with the model's recompute turned off
-  (torch.utils.checkpoint opens a forward-AD level of its own, which forward AD refuses to nest; with no graph
-  there is nothing for it to save anyway).
+  the math kernel (the fused kernels have no forward-mode derivative) and the model's fused modules op by op
+  (likewise; `GPT.op_by_op`).
 * M_b starts at zero: nothing is injected before a branch's first estimate, and that first estimate is taken
   whole. An estimate that is exactly zero (a branch whose path to x_L is still zero-initialized) is no estimate:
   the branch keeps its operator and waits for one.
@@ -53,10 +51,13 @@ import torch.distributed as dist
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from creditlab.config import Config, CreditConfig
-from creditlab.credit.feedback import FeedbackCredit, MeasuredFeedback
+from creditlab.credit.feedback import FEEDBACK_SEED, FeedbackCredit, MeasuredFeedback
 from creditlab.credit.sources import FittedSource
 from creditlab.credit.teacher import FitReport, _fit_dtypes, wide_product
-from creditlab.model import Attention, Block, ExactCredit, GPT, MLP
+from creditlab.model import ExactCredit, GPT
+
+
+MOMENTUM = 0.9  # the weight of the past in the running estimate of each feedback operator
 
 
 def rademacher(shape, seed: int, device, dtype=torch.float32) -> torch.Tensor:
@@ -78,33 +79,13 @@ class TangentCredit(ExactCredit):
         return n if u is None else n + fwAD.make_dual(torch.zeros_like(n), u.to(n.dtype))
 
 
-@contextlib.contextmanager
-def forward_mode_ready(model: GPT):
-    """The model with every module's `recompute` flag off and its MLPs, QK-norms, attention gates and block norms
-    plain (op by op) for the duration, then as it was: the fused Functions define no forward-mode derivative
-    (relu2.py, qk_norm.py, attention_gate.py, model.py's norm keeping its output); the plain modules compute the
-    same functions, so the tangents are the same."""
-    settings = ([(m, "recompute", False) for m in model.modules() if isinstance(getattr(m, "recompute", None), bool)]
-                + [(m, "activation", None) for m in model.modules() if isinstance(m, MLP)]
-                + [(m, "qk", "plain") for m in model.modules() if isinstance(m, Attention)]
-                + [(m, "fused_gate", False) for m in model.modules() if isinstance(m, Attention)]
-                + [(m, "keep_norm_output", False) for m in model.modules() if isinstance(m, Block)])
-    kept = [(m, name, getattr(m, name)) for m, name, _ in settings]
-    try:
-        for m, name, value in settings:
-            setattr(m, name, value)
-        yield model
-    finally:
-        for m, name, value in kept:
-            setattr(m, name, value)
-
-
 def directional_derivative(model: GPT, idx: torch.Tensor, tangent, autocast=None) -> torch.Tensor:
     """dX = sum_b J_b u_b (B, T, d): the forward-mode derivative of x_L along tangents at the omitted products'
     inputs (see TangentCredit), in the dtype the pass ran in."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.no_grad())
-        stack.enter_context(forward_mode_ready(model))
+        # the fused Functions define no forward-mode derivative; their op-by-op forms compute the same functions
+        stack.enter_context(model.op_by_op())
         stack.enter_context(autocast if autocast is not None else contextlib.nullcontext())
         stack.enter_context(sdpa_kernel(SDPBackend.MATH))  # innermost: overrides an sdpa choice of the runtime
         stack.enter_context(fwAD.dual_level())
@@ -130,6 +111,8 @@ class FDFASource(FittedSource):
     """c_b = e M_b, M_b a running forward-mode estimate of branch b's token-averaged diagonal Jacobian."""
 
     name, omits = "fdfa", True
+    about = ("feedback operators estimated from forward-mode directional derivatives (no true gradients), on the "
+             "schedule's exact updates")
 
     def __init__(self, width: int, branches: int, credit: CreditConfig):
         super().__init__(credit)
@@ -161,7 +144,7 @@ class FDFASource(FittedSource):
     def fold(self, estimate: torch.Tensor) -> None:
         """M_b <- m M_b + (1 - m) J_hat_b for the branches with an estimate; a first one is taken whole."""
         seen = estimate.flatten(1).abs().amax(1) > 0
-        m = torch.where(self.estimates > 0, self.credit_cfg.fdfa_momentum, 0.0).to(self.operators)[:, None, None]
+        m = torch.where(self.estimates > 0, MOMENTUM, 0.0).to(self.operators)[:, None, None]
         blended = m * self.operators + (1 - m) * estimate.to(self.operators)
         self.operators.copy_(torch.where(seen[:, None, None], blended, self.operators))
         self.estimates += seen.to(self.estimates.device)
@@ -179,7 +162,7 @@ class FDFATeacher(MeasuredFeedback):
         self.tokens = 0
         self.scales: list[float] | None = None  # this update's tangent scales, fixed at its first micro-batch
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        self.seeds = torch.Generator().manual_seed(cfg.feedback_seed + rank)  # each rank draws its own tangents
+        self.seeds = torch.Generator().manual_seed(FEEDBACK_SEED + rank)  # each rank draws its own tangents
 
     def context(self, trainer, inputs: torch.Tensor, scale: float):
         self.estimate(trainer.model, inputs, trainer.runtime.autocast())

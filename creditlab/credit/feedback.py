@@ -25,6 +25,8 @@ from creditlab.credit.teacher import (STATS, Teacher, Teaching, _fit_dtypes, fit
                                       summarize_stats, wide_product)
 from creditlab.model import ExactCredit
 
+FEEDBACK_SEED = 1234  # `dfa`'s fixed random feedback: the same matrices whatever the training seed
+
 
 class _FeedbackChain(torch.autograd.Function):
     """The identity on the carrier; its backward hands the carrier's gradient e on and gives n the correction e M."""
@@ -142,6 +144,7 @@ class FittedFeedbackSource(FittedSource):
     """c_b = D_b e: a full (d, d) map per branch from the terminal error, fitted on teacher updates."""
 
     name, omits = "fitted_feedback", True
+    about = "a full least-squares map of the terminal error per branch, fitted on teacher updates"
 
     def __init__(self, width: int, branches: int, credit: CreditConfig):
         super().__init__(credit)
@@ -197,6 +200,8 @@ class DFASource(FittedSource):
     measurement; the synthetic step is the same chain either way."""
 
     name, omits = "dfa", True
+    about = ("fixed random feedback of the terminal error (calibrated to the true corrections' RMS on teacher updates "
+             "with credit.dfa_scale=calibrated)")
 
     def __init__(self, width: int, branches: int, seed: int, credit: CreditConfig | None = None):
         super().__init__(credit or CreditConfig())
@@ -207,7 +212,7 @@ class DFASource(FittedSource):
 
     @classmethod
     def from_config(cls, cfg: Config) -> "DFASource":
-        return cls(cfg.model.width, cfg.model.branches, cfg.credit.feedback_seed, cfg.credit)
+        return cls(cfg.model.width, cfg.model.branches, FEEDBACK_SEED, cfg.credit)
 
     @classmethod
     def fits_with(cls, cfg: Config) -> bool:
@@ -228,7 +233,7 @@ class MeasuredFeedback(Teaching):
     statistics of `maps()` (branches, d, d) as they stand."""
 
     def __init__(self, maps, cfg: CreditConfig):
-        self.maps, self.low_precision = maps, cfg.fit_precision == "auto"
+        self.maps, self.low_precision = maps, True
         self.stats: list[torch.Tensor] = []
 
     def context(self, trainer, inputs, scale: float) -> FeedbackFitCredit:

@@ -12,7 +12,8 @@ positions s >= t (the reverse mean), and c is linear in e because every gate is 
 
 Streaming (the default) never builds the 16 corrections at the tap: it injects through the adjoint
 (credit/sources.py; the tap hands the code of e to every branch's share), so each c_b is decoded by autograd
-when the backward reaches branch b, and freed after its norm VJP consumed it. `materialized=True` decodes all 16 at the tap instead, to measure what that costs.
+when the backward reaches branch b, and freed after its norm VJP consumed it. `materialized=True` decodes all 16
+at the tap instead, to measure what that costs.
 """
 
 from __future__ import annotations
@@ -21,14 +22,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from creditlab import kernels
 from creditlab.config import Config, CreditConfig, ModelConfig
-from creditlab.kernels import gate_decode as gate_decode_kernel
-from creditlab.kernels import norm_decode as norm_decode_kernel
 from creditlab.credit.sources import AdjointCredit, FittedSource, OmitCredit
 from creditlab.credit.teacher import LearnedTeacher
-from creditlab.model import ExactCredit, branch_kind, norm, norm_backward, norm_with_scale
-from creditlab.relu2 import ReLU2
+from creditlab.model import ExactCredit, branch_kind, norm
 
 
 def cumsum(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
@@ -43,28 +40,21 @@ def reverse_cumsum(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
     return cumsum(x.flip(dim), dim).flip(dim)
 
 
-def state_gate(n: torch.Tensor, gate_weight: torch.Tensor, kernel: bool = False) -> torch.Tensor:
-    """sigmoid(n G^T) (..., 2r) in n's dtype. With `kernel` (credit.products=fused) one Triton kernel on CUDA
-    (kernels/gate_decode.py), the torch arithmetic elsewhere."""
-    if kernel and gate_decode_kernel.takes(n, widths=(gate_weight.shape[0],)):
-        return gate_decode_kernel.state_gate_op(n, gate_weight)
+def state_gate(n: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """sigmoid(n G^T) (..., 2r) in n's dtype."""
     return torch.sigmoid(n @ gate_weight.t().to(n.dtype))
 
 
-def gated_decode(code: torch.Tensor, gate: torch.Tensor, decoder: torch.Tensor, kernel: bool = False) -> torch.Tensor:
-    """(code * gate) D^T (..., d) in code's dtype for the decoder D (d, 2r); `kernel` as for `state_gate`."""
-    if kernel and gate_decode_kernel.takes(code, gate, widths=(decoder.shape[0],)):
-        return gate_decode_kernel.gated_decode_op(code, gate, decoder)
+def gated_decode(code: torch.Tensor, gate: torch.Tensor, decoder: torch.Tensor) -> torch.Tensor:
+    """(code * gate) D^T (..., d) in code's dtype for the decoder D (d, 2r)."""
     return (code * gate) @ decoder.t().to(code.dtype)
-
 
 class Predictor(nn.Module):
     """The parameters and the maps of the predictor; shared by every organization of the credit path."""
 
-    def __init__(self, model: ModelConfig, rank: int, products: str = "plain"):
+    def __init__(self, model: ModelConfig, rank: int):
         super().__init__()
         d, branches, self.rank = model.width, model.branches, rank
-        self.kernels = products == "fused"  # credit.products: the gate and decode through kernels/gate_decode.py
         self.projection = nn.Parameter(torch.randn(self.projection_rank, d) * d ** -0.5)  # P
         self.mean_gate = nn.Parameter(torch.randn(d) * d ** -0.5)  # w
         self.mean_bias = nn.Parameter(torch.zeros(()))  # beta
@@ -92,7 +82,7 @@ class Predictor(nn.Module):
 
     # ---- forward states ---------------------------------------------------------------------------------
     def gate(self, b: int, n: torch.Tensor) -> torch.Tensor:  # (B, T, 2r)
-        return state_gate(n, self.state_gates[b], self.kernels)
+        return state_gate(n, self.state_gates[b])
 
     def mean_weights(self, x_terminal: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """a_s (B, T, 1) and its reverse cumulative sum A_t, in float32 or better."""
@@ -111,26 +101,12 @@ class Predictor(nn.Module):
         return torch.cat([p, m], dim=-1)
 
     def decode(self, b: int, code: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return gated_decode(code[..., self.code_slice(b)].to(gate.dtype), gate, self.decoders[b], self.kernels)
+        return gated_decode(code[..., self.code_slice(b)].to(gate.dtype), gate, self.decoders[b])
 
     # ---- its adjoint, for streaming injection -----------------------------------------------------------
-    def product_with_share(self, b: int, n: torch.Tensor, n_omitted: torch.Tensor, weight: torch.Tensor):
-        """(n_omitted W^T, the branch's share of the adjoint): the share of `branch_adjoint` with its state gate
-        computed in the branch's product (`credit.gates=merged`). Only n carries the share's gradient."""
-        y, gate = _ProductWithGate.apply(n_omitted, weight, self.state_gates[b].detach())
-        return y, self.widen(b, _GateShare.apply(n, gate, self.decoders[b].detach(), self.kernels))
-
     def branch_adjoint(self, b: int, n: torch.Tensor) -> torch.Tensor:
         """g_b * (n_b D_b): the branch's share of the adjoint, (B, T, code_width). Only n carries gradient."""
-        return self.widen(b, _GatedAdjoint.apply(n, self.state_gates[b].detach(), self.decoders[b].detach(),
-                                                 self.kernels))
-
-    def normed_adjoint(self, b: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(x passed on, norm(x), the branch's share of the adjoint) with the share's decode inside the norm's
-        backward, which also adds the gradient of the x passed on."""
-        x, n, share = _NormGatedAdjoint.apply(x, self.state_gates[b].detach(), self.decoders[b].detach(),
-                                              self.kernels)
-        return x, n, self.widen(b, share)
+        return self.widen(b, _GatedAdjoint.apply(n, self.state_gates[b].detach(), self.decoders[b].detach()))
 
     def tap(self, x_terminal: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
         """x_L unchanged, carrying the adjoint term for the branches' summed shares `total` (B, T, code_width).
@@ -159,147 +135,40 @@ class _CodeTap(torch.autograd.Function):
         return e, ctx.predictor.code(e, a, a_rev).to(ctx.total_dtype), None, None, None
 
 
-class _GateShare(torch.autograd.Function):
-    """The branch's share of the adjoint, g * (n D) for the state gate g, as far as autograd sees it: its
-    backward is the branch's decode, (grad * g) D^T. Its forward value is never read (the tap, _CodeTap, passes
-    x_L through and uses only the gradient path of the summed shares), so the forward returns zeros of the
-    share's shape: n D is never formed. Here the gate comes computed (in the branch's product, _ProductWithGate)."""
+class _GatedAdjoint(torch.autograd.Function):
+    """The branch's share of the adjoint, g * (n D) for the state gate g = sigmoid(n G^T), as far as autograd sees
+    it: its backward is the branch's decode, (grad * g) D^T. Its forward value is never read (the tap, _CodeTap,
+    passes x_L through and uses only the gradient path of the summed shares), so the forward returns zeros of the
+    share's shape: n D is never formed."""
 
     @staticmethod
-    def forward(ctx, n, gate, decoder, kernel=False):
+    def forward(ctx, n, gate_weight, decoder):
+        gate = state_gate(n, gate_weight)  # (B, T, 2r)
         ctx.save_for_backward(gate, decoder)
-        ctx.kernel = kernel
         return torch.zeros_like(gate)
 
     @staticmethod
     def backward(ctx, grad):
         gate, decoder = ctx.saved_tensors
-        return gated_decode(grad, gate, decoder, ctx.kernel), None, None, None
-
-
-class _GatedAdjoint(_GateShare):
-    """_GateShare with the state gate g = sigmoid(n G^T) computed in its own product."""
-
-    @staticmethod
-    def forward(ctx, n, gate_weight, decoder, kernel=False):
-        gate = state_gate(n, gate_weight, kernel)  # (B, T, 2r)
-        ctx.save_for_backward(gate, decoder)
-        ctx.kernel = kernel
-        return torch.zeros_like(gate)
-
-
-class _ProductWithGate(torch.autograd.Function):
-    """(n W^T, sigmoid(n G^T)) from one product with [W ; G]: the omitted product of a branch and its state gate,
-    reading n once. n arrives detached (the product's input gradient is the one omitted); W gets its weight
-    gradient dY^T n; the gate is a forward state (G is fitted on teacher updates only). The first output is a
-    view of the product's (tokens, rows of W + 2r) result, which the QK-norm kernel reads strided."""
-
-    @staticmethod
-    def forward(ctx, n, weight, gate_weight):
-        dtype = kernels.compute_dtype(n)
-        n = n.to(dtype)
-        out = n @ torch.cat([weight, gate_weight]).to(dtype).t()
-        rows = weight.shape[0]
-        gate = torch.sigmoid(out[..., rows:])
-        ctx.save_for_backward(n)
-        ctx.weight_dtype = weight.dtype
-        ctx.mark_non_differentiable(gate)
-        return out[..., :rows], gate
-
-    @staticmethod
-    def backward(ctx, dy, _):
-        (n,) = ctx.saved_tensors
-        dw = dy.reshape(-1, dy.shape[-1]).t() @ n.reshape(-1, n.shape[-1]).to(dy.dtype)
-        return None, dw.to(ctx.weight_dtype), None
-
-
-def norm_decode_backward(dn: torch.Tensor | None, residual: torch.Tensor | None, n: torch.Tensor,
-                         scale: torch.Tensor, code: torch.Tensor, gate: torch.Tensor,
-                         decoder: torch.Tensor) -> torch.Tensor:
-    """residual + dL/dx of n = norm(x) for dL/dn = dn + (code * gate) D^T (dn None: n has no exact use; residual
-    None: nothing passes the branch). Rows of tokens; scale (tokens,) = 1 / rms(x); decoder D (d, 2r). One Triton
-    pass on CUDA (kernels/norm_decode.py), the torch arithmetic elsewhere."""
-    if norm_decode_kernel.takes(n, code):
-        return norm_decode_kernel.norm_decode_op(dn, residual, n, scale, code, gate, decoder)
-    acc = torch.promote_types(n.dtype, torch.float32)
-    grad = ((code * gate) @ decoder.to(code.dtype).t()).to(acc)
-    dx = norm_backward(grad if dn is None else grad + dn.to(acc), n, scale[:, None]).to(acc)
-    return (dx if residual is None else dx + residual.to(acc)).to(n.dtype)
-
-
-class _NormGatedAdjoint(torch.autograd.Function):
-    """(x, n, share): the residual stream x passed on, n = norm(x) (model.norm's arithmetic) and the branch's share
-    of the adjoint as _GatedAdjoint gives it (zeros of its shape: the value is never read). Its backward adds the
-    decode (code * g) D^T to dL/dn inside the norm's backward, and the gradient of the stream passed on to the
-    result: the correction is never written out, and the residual gradient is read and written once
-    (`credit.decode=fused`)."""
-
-    @staticmethod
-    def forward(ctx, x, gate_weight, decoder, kernel=False):
-        ctx.set_materialize_grads(False)  # an MLP branch's n has no exact use: no zero gradient to read
-        n, scale = norm_with_scale(x)
-        gate = state_gate(n, gate_weight, kernel)
-        ctx.save_for_backward(n, scale, gate, decoder)
-        return x.view_as(x), n, torch.zeros_like(gate)
-
-    @staticmethod
-    def backward(ctx, residual, dn, code):
-        n, scale, gate, decoder = ctx.saved_tensors
-        if code is None:  # no correction reached the branch: the plain norm backward
-            code = torch.zeros_like(gate)
-        rows = lambda t: None if t is None else t.reshape(-1, t.shape[-1])  # noqa: E731
-        dx = norm_decode_backward(rows(dn), rows(residual), rows(n), scale.reshape(-1), rows(code.to(gate.dtype)),
-                                  rows(gate), decoder)
-        return dx.view(n.shape), None, None, None
+        return gated_decode(grad, gate, decoder), None, None
 
 
 class LearnedCredit(AdjointCredit):
-    """The streaming injection of the learned source. With merged gates, an attention branch's state gate is
-    computed in its Q/K/V product (`credit.gates=merged`): `branch` then only notes the branch input, and
-    `product` forms the product, the gate and the branch's share together."""
+    """The streaming injection of the learned source."""
 
-    def __init__(self, predictor: "Predictor", merged_gates: bool = False):
+    def __init__(self, predictor: "Predictor"):
         super().__init__(predictor.branch_adjoint, predictor.tap)
-        self.predictor, self.merged_gates = predictor, merged_gates
-        self.waiting: dict[int, torch.Tensor] = {}  # attention branches whose share comes with their product
-
-    def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
-        if not (self.merged_gates and branch_kind(index) == "attn"):
-            return super().branch(index, n)
-        self.waiting[index] = n
-        return n.detach()
-
-    def product(self, index: int, n: torch.Tensor, weight: torch.Tensor, activation=None):
-        if index not in self.waiting or isinstance(activation, ReLU2):
-            return super().product(index, n, weight, activation)
-        y, share = self.predictor.product_with_share(index, self.waiting.pop(index), n, weight)
-        self.total = share if self.total is None else self.total + share
-        return y if activation is None else activation.after(y)  # model.qk=product: the epilogue after it
-
-
-class FusedDecodeCredit(LearnedCredit):
-    """The streaming injection with each MLP branch's decode inside its norm's backward, which also adds the
-    residual gradient passing the branch (`credit.decode=fused`). An MLP branch's n has no exact use in the
-    synthetic backward, so its whole backward is that one pass. An attention branch's n feeds the attention gate
-    exactly; fused, the gate's (tokens, gate_dim) gradient would be written out padded to (tokens, d) for the
-    kernel, costing what the unwritten correction saves, so attention branches keep the plain streaming path. The
-    norm of a fused branch is the source's: the block's `model.recompute=norm` does not reach it."""
-
-    def normed_branch(self, index: int, x: torch.Tensor, norm_fn):
-        if branch_kind(index) != "mlp":
-            return super().normed_branch(index, x, norm_fn)
-        x, n, share = self.predictor.normed_adjoint(index, x)
-        self.total = share if self.total is None else self.total + share
-        return x, n, n.detach()
+        self.predictor = predictor
 
 
 class LearnedSource(FittedSource):
     name, omits = "learned", True
+    about = "learned predictor, one exact teacher update in credit.teacher_every"
     predictor_class = Predictor
 
     def __init__(self, model: ModelConfig, credit: CreditConfig):
         super().__init__(credit)
-        self.predictor = self.predictor_class(model, credit.rank, credit.products)
+        self.predictor = self.predictor_class(model, credit.rank)
         self.materialized = credit.materialized
 
     @classmethod
@@ -309,8 +178,7 @@ class LearnedSource(FittedSource):
     def step(self) -> OmitCredit:
         if self.materialized:
             return MaterializedCredit(self.predictor)
-        credit = FusedDecodeCredit if self.credit_cfg.decode == "fused" else LearnedCredit
-        return credit(self.predictor, merged_gates=self.credit_cfg.gates == "merged")
+        return LearnedCredit(self.predictor)
 
     def make_teacher(self):
         return LearnedTeacher(self.predictor, self.credit_cfg)
@@ -348,6 +216,7 @@ class TypedPredictor(Predictor):
 
 class TypedSource(LearnedSource):
     name = "typed"
+    about = "learned predictor with its code laid out by branch kind (attention: [m ; p], MLP: p of rank 2r)"
     predictor_class = TypedPredictor
 
     @classmethod

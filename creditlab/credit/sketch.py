@@ -34,11 +34,11 @@ class _SketchedLinear(torch.autograd.Function):
     (run by the autograd engine, possibly compiled) need not share with the forward."""
 
     @staticmethod
-    def forward(ctx, n, weight, basis, expand):
+    def forward(ctx, n, weight, basis, expand: bool):
         ctx.save_for_backward(n, weight, basis)
-        if expand is None:
+        if not expand:
             return F.linear(n, weight)
-        return expand_relu2_values(n, weight, expand)[0]  # the fused MLP's convention: dy below is dL/d(n W^T)
+        return expand_relu2_values(n, weight)[0]  # the fused MLP's convention: dy below is dL/d(n W^T)
 
     @staticmethod
     def backward(ctx, dy):
@@ -58,9 +58,8 @@ class SketchCredit(ExactCredit):
 
     def product(self, index: int, n: torch.Tensor, weight: torch.Tensor, activation=None):
         if isinstance(activation, QKEpilogue):  # the sketch needs dL/d(n W^T): the product, then the epilogue
-            return activation.after(_SketchedLinear.apply(n, weight, self.basis[index], None))
-        expand = activation.kernel if isinstance(activation, ReLU2) else None  # the fused MLP's expansion kernel
-        return _SketchedLinear.apply(n, weight, self.basis[index], expand)
+            return activation.after(_SketchedLinear.apply(n, weight, self.basis[index], False))
+        return _SketchedLinear.apply(n, weight, self.basis[index], isinstance(activation, ReLU2))  # fused MLP
 
 
 def leading_basis(weight: torch.Tensor, rank: int) -> torch.Tensor:
@@ -74,6 +73,7 @@ class SketchSource(CreditSource):
     """Synthetic updates sketch the omitted products; exact updates (where a schedule asks for them) are native."""
 
     name, omits = "sketch", True
+    about = "the omitted product itself through a rank-k factor of its weight (credit.sketch_rank)"
 
     def __init__(self, width: int, branches: int, rank: int, every: int):
         super().__init__()

@@ -116,6 +116,7 @@ class CreditSource(nn.Module):
     """Base: the exact source. Subclasses override `step` and, where they need the batch, `context`."""
 
     name = "exact"
+    about = "exact backpropagation"  # one line, for the arm of this source in reports
     omits = False  # whether the source's steps omit the 16 products
     fits = False  # whether the source fits a predictor on exact teacher updates
 
@@ -196,6 +197,7 @@ class FittedSource(CreditSource):
 
 class ZeroSource(CreditSource):
     name, omits = "zero", True
+    about = "the 16 products omitted, nothing injected"
 
     def step(self) -> OmitCredit:
         return OmitCredit()
@@ -208,6 +210,7 @@ class OracleSource(CreditSource):
     method."""
 
     name, omits = "oracle", True
+    about = "true corrections of the same batch injected (trains as native)"
 
     def __init__(self):
         super().__init__()

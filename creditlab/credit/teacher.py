@@ -265,8 +265,10 @@ class Teacher(Teaching):
     def __init__(self, module: torch.nn.Module, decoders: torch.nn.Parameter, cfg: CreditConfig):
         self.module, self.decoders = module, decoders
         self.optimizer = torch.optim.Adam(module.parameters(), lr=cfg.predictor_lr, betas=(0.9, 0.99))
-        self.low_precision = cfg.fit_precision == "auto"
-        self.fused = cfg.fit_rows == "fused"
+        # the fit's products over (B, T, d) in the gradient's dtype (bf16 under autocast, float32 sums); each
+        # branch's token-wise regression in one Triton pass on CUDA where it takes the shapes (kernels/fit_rows.py).
+        # Off (the step check's plain reference): float32 or wider, op by op.
+        self.low_precision = self.fused = True
         self.stats: list[torch.Tensor] = []
         # credit.fit=lstsq: the decoders are solved, not stepped. Per branch, the Gram matrix of the features and
         # their cross moment with the true correction, summed over this update's micro-batches, then each update's

@@ -110,7 +110,7 @@ def qk_norm_rotary_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     """(q, k, v, scales) from qkv (B, T, 3 * width): q and k normalized and rotated, v copied, each (B, T, heads,
     head_dim) in qkv's dtype; scales (B, T, 2, heads) float32, the 1/rms of q and k. cos, sin: (>= T, head_dim/2)
     float32. `out`: the four outputs, preallocated (the tests poison them). qkv's rows may lie further apart than
-    their width (a view of a wider product's columns, `credit.gates=merged`): they are read in place."""
+    their width (a view of a wider product's columns): they are read in place."""
     B, T, three_width = qkv.shape
     hd = three_width // 3 // heads
     if not (qkv.stride(-1) == 1 and qkv.stride(0) == T * qkv.stride(1)):

@@ -6,9 +6,9 @@ products run. Triton's loop in `qkv_rotary.py` cannot overlap its epilogue so, a
 behind cuBLAS on the MLP's shapes where this loop's ran within 2% (benchmarks/relu2_mlp.md).
 
 The epilogue: the tile (one or two whole heads of q, k or v) goes to shared memory in the output dtype, as the
-step's `model.qk=fused` path rounds the product before its norm; each head's two halves come back in a plain
-row layout, are normalized and rotated in float32 and go back in place, and the whole tile leaves by one TMA
-store; a tile of v leaves as the product made it (`EPILOGUE`). q, k and v are the slabs of one (3, tokens, width)
+op-by-op path rounds the product before its norm; each head's two halves come back in a plain row layout, are
+normalized and rotated in float32 and go back in place, and the whole tile leaves by one TMA store; a tile of v
+leaves as the product made it. q, k and v are the slabs of one (3, tokens, width)
 tensor, addressed as (3 tokens, width) rows, so the tokens must be a whole number of tiles (`supported`).
 """
 
@@ -21,19 +21,12 @@ from creditlab.kernels._triton import multiprocessors, triton
 from creditlab.kernels.relu2_hopper import gluon
 
 BLOCK_M, BLOCK_K, STAGES, WARPS, GROUP_M, POST_STEP, HEADS_PER_TILE = 128, 64, 3, 8, 16, 3, 2
-# The epilogue's forms, one result: every tile through the same arithmetic (v at scale 1, no rotation); tiles of v
-# stored as the product made them (the default: a third of the tiles skip the epilogue, benchmarks/qk_norm.md);
-# the same with q's and k's rotary tables read before the tile's products; each tile's epilogue in pieces during
-# the next tile's products (`_qkv_kernel_overlapped`, every tile branch-free).
-EPILOGUE_BRANCH_FREE, EPILOGUE_V_AS_IS, EPILOGUE_TABLES_EARLY, EPILOGUE_OVERLAPPED = 0, 1, 2, 3
-EPILOGUE = EPILOGUE_V_AS_IS
-
 if gluon is not None:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
-    from creditlab.kernels.relu2_hopper import (_accumulator_layout, _barrier, _end_program, _k_step, _start_loads,
-                                                _tile_offsets, _tile_products, _tma_store)
+    from creditlab.kernels.relu2_hopper import (_accumulator_layout, _barrier, _end_program, _start_loads,
+                                                _tile_products, _tma_store)
 
     @gluon.constexpr_function
     def _half_head_rows(HALF, num_warps):
@@ -93,7 +86,7 @@ if gluon is not None:
     @gluon.jit
     def _qkv_kernel(a_desc, b_desc, out_desc, scales, cos, sin, M, T, eps, WIDTH: gl.constexpr, HD: gl.constexpr,
                     K_STEPS: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, POST_STEP: gl.constexpr,
-                    EPILOGUE: gl.constexpr, num_warps: gl.constexpr):
+                    num_warps: gl.constexpr):
         BM: gl.constexpr = out_desc.block_type.shape[0]
         BN: gl.constexpr = out_desc.block_type.shape[1]
         HALF: gl.constexpr = HD // 2
@@ -104,129 +97,22 @@ if gluon is not None:
         a_bufs, b_bufs, ready, first, programs, tiles_m, tiles_n, my_tiles, total, p_m, p_n = _start_loads(
             a_desc, b_desc, tile_buf, M, 3 * WIDTH, K_STEPS, False, STAGES, GROUP)
         for tile in range(my_tiles):
-            if EPILOGUE == 2:  # EPILOGUE_TABLES_EARLY: the tables' loads in flight during the tile's products
-                early_m, early_n = _tile_offsets(tile * K_STEPS, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS,
-                                                 GROUP)
-                rows, normed_rows, c, s = _tables(cos, sin, early_m, M, T, early_n // WIDTH, BM, HALF, rows_layout)
             # no post tile to load (the descriptor and barrier passed for it go unused)
             acc, off_m, off_n, p_m, p_n = _tile_products(
                 tile, first, programs, tiles_m, tiles_n, total, p_m, p_n, a_desc, b_desc, a_bufs, b_bufs, ready,
-                out_desc, ready, tile_buf, acc_layout, K_STEPS, False, False, POST_STEP, STAGES, GROUP, False)
+                out_desc, ready, tile_buf, acc_layout, K_STEPS, False, False, POST_STEP, STAGES, GROUP)
             # the previous tile's store has drained (waited for at K step POST_STEP)
             tile_buf.store(acc.to(dtype))
             _barrier()
             part = off_n // WIDTH
-            # a tile of v leaves as the product made it, except in the branch-free form, where it takes the
-            # arithmetic of q and k at scale 1 and no rotation (the same values)
-            if EPILOGUE == 0:  # EPILOGUE_BRANCH_FREE
+            if part < 2:  # q and k normalized and rotated; a tile of v leaves as the product made it
                 rows, normed_rows, c, s = _tables(cos, sin, off_m, M, T, part, BM, HALF, rows_layout)
-                _norm_rotate(tile_buf, scales, rows, normed_rows, c, s, off_n, part, eps, WIDTH, HD, rows_layout)
-            elif part < 2:
-                if EPILOGUE == 1:  # EPILOGUE_V_AS_IS
-                    rows, normed_rows, c, s = _tables(cos, sin, off_m, M, T, part, BM, HALF, rows_layout)
                 _norm_rotate(tile_buf, scales, rows, normed_rows, c, s, off_n, part, eps, WIDTH, HD, rows_layout)
             # every thread's writes made visible to the TMA engine, then all of them done before one thread
             # issues the store (a barrier before the fence would let the store overtake a late fence)
             fence_async_shared()
             _barrier()
             _tma_store(out_desc, [part * M + off_m, off_n % WIDTH], tile_buf)
-        _end_program(ready, STAGES)
-
-    PIECE_ROWS = gl.constexpr(32)  # a piece of the overlapped epilogue: 32 rows of one head
-
-    @gluon.jit
-    def _epilogue_piece(piece: gl.constexpr, tile_buf, rows_desc, scales, cos, sin, off_m, off_n, M, T, eps, c, s,
-                        WIDTH: gl.constexpr, HD: gl.constexpr, rows_layout: gl.constexpr):
-        """Piece `piece` of a tile's epilogue in shared memory: rows (piece // heads) * 32 .. + 32 of head
-        piece % heads, normalized and rotated in place (a tile of v branch-free, at scale 1 with c 1 and s 0). A
-        row block's tables are read at its first head and handed on (returned: (c, s)); at its last head the
-        block leaves by its own TMA store."""
-        BN: gl.constexpr = tile_buf.shape[1]
-        HALF: gl.constexpr = HD // 2
-        HEADS: gl.constexpr = BN // HD
-        R0: gl.constexpr = (piece // HEADS) * PIECE_ROWS
-        h: gl.constexpr = piece % HEADS
-        part = off_n // WIDTH
-        block = tile_buf.slice(R0, PIECE_ROWS, dim=0)
-        rows, normed_rows = _rows(off_m + R0, M, part, PIECE_ROWS, rows_layout)
-        if h == 0:
-            c, s = _rotary_tables(cos, sin, rows, normed_rows, T, HALF, rows_layout)
-        _norm_rotate_head(block, h, scales, rows, normed_rows, c, s, off_n, part, eps, WIDTH, HD, rows_layout)
-        if h == HEADS - 1:
-            fence_async_shared()
-            _barrier()
-            _tma_store(rows_desc, [part * M + off_m + R0, off_n % WIDTH], block)
-        return c, s
-
-    @gluon.jit
-    def _products_beside_epilogue(tile, first, programs, tiles_m, tiles_n, total, p_m, p_n, a_desc, b_desc, a_bufs,
-                                  b_bufs, ready, tile_buf, rows_desc, scales, cos, sin, prev_m, prev_n, M, T, eps,
-                                  acc_layout: gl.constexpr, rows_layout: gl.constexpr, WIDTH: gl.constexpr,
-                                  HD: gl.constexpr, K_STEPS: gl.constexpr, STAGES: gl.constexpr,
-                                  GROUP: gl.constexpr):
-        """relu2_hopper._tile_products' K loop for tile `tile`, with a piece of the previous tile's epilogue (its
-        raw product in `tile_buf`, at (prev_m, prev_n)) run after each K step's product is issued, so that the
-        pieces run while the tensor cores work; the pieces left when the steps run out follow the loop. Returns
-        (acc, off_m, off_n, p_m, p_n) with every piece's store issued."""
-        BM: gl.constexpr = tile_buf.shape[0]
-        BN: gl.constexpr = tile_buf.shape[1]
-        HALF: gl.constexpr = HD // 2
-        PIECES: gl.constexpr = (BM // PIECE_ROWS) * (BN // HD)
-        off_m, off_n = _tile_offsets(tile * K_STEPS, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS, GROUP)
-        c = gl.full((PIECE_ROWS, HALF), 1.0, gl.float32, layout=rows_layout)
-        s = gl.full((PIECE_ROWS, HALF), 0.0, gl.float32, layout=rows_layout)
-        acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
-        for k in gl.static_range(K_STEPS):
-            acc, p_m, p_n = _k_step(k, tile, acc, first, programs, tiles_m, tiles_n, total, p_m, p_n, a_desc, b_desc,
-                                    a_bufs, b_bufs, ready, BM, BN, K_STEPS, False, STAGES, GROUP)
-            if k < PIECES:
-                c, s = _epilogue_piece(k, tile_buf, rows_desc, scales, cos, sin, prev_m, prev_n, M, T, eps, c, s,
-                                       WIDTH, HD, rows_layout)
-        for piece in gl.static_range(K_STEPS, PIECES):
-            c, s = _epilogue_piece(piece, tile_buf, rows_desc, scales, cos, sin, prev_m, prev_n, M, T, eps, c, s,
-                                   WIDTH, HD, rows_layout)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        return acc, off_m, off_n, p_m, p_n
-
-    @gluon.jit
-    def _qkv_kernel_overlapped(a_desc, b_desc, out_desc, rows_desc, scales, cos, sin, M, T, eps,
-                               WIDTH: gl.constexpr, HD: gl.constexpr, K_STEPS: gl.constexpr, STAGES: gl.constexpr,
-                               GROUP: gl.constexpr, num_warps: gl.constexpr):
-        """_qkv_kernel with each tile's epilogue run in pieces during the next tile's products (the last tile's
-        after them): the tile's raw product waits in shared memory, each 32-row block leaves by its own store
-        once both its heads are done, and the next product enters the buffer when those stores have drained."""
-        BM: gl.constexpr = out_desc.block_type.shape[0]
-        BN: gl.constexpr = out_desc.block_type.shape[1]
-        HALF: gl.constexpr = HD // 2
-        PIECES: gl.constexpr = (BM // PIECE_ROWS) * (BN // HD)
-        dtype: gl.constexpr = a_desc.dtype
-        acc_layout: gl.constexpr = _accumulator_layout(BN, num_warps)
-        rows_layout: gl.constexpr = _half_head_rows(HALF, num_warps)
-        tile_buf = gl.allocate_shared_memory(dtype, [BM, BN], out_desc.layout)
-        a_bufs, b_bufs, ready, first, programs, tiles_m, tiles_n, my_tiles, total, p_m, p_n = _start_loads(
-            a_desc, b_desc, tile_buf, M, 3 * WIDTH, K_STEPS, False, STAGES, GROUP)
-        # the first tile's products alone (no store is pending: the store wait at K step 0 returns at once)
-        acc, prev_m, prev_n, p_m, p_n = _tile_products(
-            0, first, programs, tiles_m, tiles_n, total, p_m, p_n, a_desc, b_desc, a_bufs, b_bufs, ready,
-            out_desc, ready, tile_buf, acc_layout, K_STEPS, False, False, 0, STAGES, GROUP, False)
-        tile_buf.store(acc.to(dtype))
-        _barrier()
-        for tile in range(1, my_tiles):
-            acc, off_m, off_n, p_m, p_n = _products_beside_epilogue(
-                tile, first, programs, tiles_m, tiles_n, total, p_m, p_n, a_desc, b_desc, a_bufs, b_bufs, ready,
-                tile_buf, rows_desc, scales, cos, sin, prev_m, prev_n, M, T, eps, acc_layout, rows_layout, WIDTH,
-                HD, K_STEPS, STAGES, GROUP)
-            # the previous tile's blocks have left the buffer (the issuing thread waits, the rest wait for it)
-            tma.store_wait(pendings=0)
-            _barrier()
-            tile_buf.store(acc.to(dtype))
-            _barrier()
-            prev_m, prev_n = off_m, off_n
-        c = gl.full((PIECE_ROWS, HALF), 1.0, gl.float32, layout=rows_layout)
-        s = gl.full((PIECE_ROWS, HALF), 0.0, gl.float32, layout=rows_layout)
-        for piece in gl.static_range(PIECES):
-            c, s = _epilogue_piece(piece, tile_buf, rows_desc, scales, cos, sin, prev_m, prev_n, M, T, eps, c, s,
-                                   WIDTH, HD, rows_layout)
         _end_program(ready, STAGES)
 
 
@@ -245,33 +131,20 @@ def supported(x: torch.Tensor, w: torch.Tensor, heads: int) -> bool:
 def qkv_norm_rotary(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, T: int,
                     eps: float, heads_per_tile: int = HEADS_PER_TILE, group_m: int = GROUP_M, stages: int = STAGES,
                     post_step: int = POST_STEP, block_m: int = BLOCK_M, warps: int = WARPS,
-                    programs: int | None = None, epilogue: int | None = None):
+                    programs: int | None = None):
     """qkv_rotary.qkv_norm_rotary's (qkv (3, tokens, width), scales (tokens, 2, heads)) through the Gluon kernel;
     operands as `supported` takes them. Keywords: the tiling (a tile one or two heads wide, `block_m` rows of
-    which the tokens are a whole number; the rest as relu2_hopper's) and the epilogue's form (EPILOGUE_*, by default
-    EPILOGUE)."""
+    which the tokens are a whole number; the rest as relu2_hopper's)."""
     x, w, M, K, width, hd = qkv_rotary.checked_operands(x, w, heads, supported(x, w, heads), "Gluon kernel")
     qkv, scales = qkv_rotary.empty_outputs(x, width, heads)
-    epilogue = EPILOGUE if epilogue is None else epilogue
-    if epilogue not in (EPILOGUE_BRANCH_FREE, EPILOGUE_V_AS_IS, EPILOGUE_TABLES_EARLY, EPILOGUE_OVERLAPPED):
-        raise ValueError(f"no epilogue form {epilogue}")
     if M % block_m:
         raise ValueError(f"the tokens ({M}) must be a whole number of {block_m}-row tiles")
     block_n = heads_per_tile * hd
     out_desc = relu2_hopper._descriptor(qkv.view(3 * M, width), [block_m, block_n])
     tiles = triton.cdiv(M, block_m) * (3 * width // block_n)
     grid = (min(tiles, programs or multiprocessors(x.device.index or 0)),)
-    if epilogue == EPILOGUE_OVERLAPPED:
-        if block_m % 32:
-            raise ValueError(f"the overlapped epilogue works in 32-row pieces; block_m {block_m} is not a multiple")
-        rows_desc = relu2_hopper._descriptor(qkv.view(3 * M, width), [32, block_n])
-        _qkv_kernel_overlapped[grid](
-            relu2_hopper._descriptor(x, [block_m, BLOCK_K]), relu2_hopper._descriptor(w, [block_n, BLOCK_K]), out_desc,
-            rows_desc, scales, cos.contiguous(), sin.contiguous(), M, T, eps, WIDTH=width, HD=hd, K_STEPS=K // BLOCK_K,
-            STAGES=stages, GROUP=group_m, num_warps=warps)
-        return qkv, scales
     _qkv_kernel[grid](relu2_hopper._descriptor(x, [block_m, BLOCK_K]), relu2_hopper._descriptor(w, [block_n, BLOCK_K]),
                       out_desc, scales, cos.contiguous(), sin.contiguous(), M, T, eps, WIDTH=width, HD=hd,
                       K_STEPS=K // BLOCK_K, STAGES=stages, GROUP=group_m, POST_STEP=min(post_step, K // BLOCK_K - 1),
-                      EPILOGUE=epilogue, num_warps=warps)
+                      num_warps=warps)
     return qkv, scales

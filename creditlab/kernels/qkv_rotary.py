@@ -1,4 +1,4 @@
-"""The Q/K/V product with QK-norm and rotary positions in its epilogue (`model.qk=product`).
+"""The Q/K/V product with QK-norm and rotary positions in its epilogue.
 
 `qkv_norm_rotary(x, w, cos, sin, T, eps)` computes x w^T for x (tokens, d) and w (3 width, d) and, before a tile
 leaves the chip, RMS-normalizes each head of q and k over the head dimension and rotates it by its token's

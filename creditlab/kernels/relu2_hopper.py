@@ -89,12 +89,11 @@ if gluon is not None:
     def _tile_products(tile, first, programs, tiles_m, tiles_n, total, p_m, p_n, a_desc, b_desc, a_bufs, b_bufs,
                        ready, post_desc, post_ready, tile_buf, acc_layout: gl.constexpr, K_STEPS: gl.constexpr,
                        B_IS_KN: gl.constexpr, LOAD_POST: gl.constexpr, POST_STEP: gl.constexpr,
-                       STAGES: gl.constexpr, GROUP: gl.constexpr, SEPARATE_POST: gl.constexpr):
+                       STAGES: gl.constexpr, GROUP: gl.constexpr):
         """A program's `tile`-th output tile, accumulated in float32: (acc, off_m, off_n, p_m, p_n), p_m and p_n
         the offsets of the tile the operand loads have reached. At K step POST_STEP the previous tile's result
         has left the tile buffer (its store is waited for) and, with LOAD_POST, this tile's post tile is
-        requested into it; with SEPARATE_POST, `tile_buf` is a buffer of the post tile's own, and the store is
-        not waited for here."""
+        requested into it."""
         BM: gl.constexpr = tile_buf.shape[0]
         BN: gl.constexpr = tile_buf.shape[1]
         off_m, off_n = _tile_offsets(tile * K_STEPS, first, programs, tiles_m, tiles_n, BM, BN, K_STEPS, GROUP)
@@ -105,8 +104,7 @@ if gluon is not None:
             acc, p_m, p_n = _k_step(k, tile, acc, first, programs, tiles_m, tiles_n, total, p_m, p_n, a_desc, b_desc,
                                     a_bufs, b_bufs, ready, BM, BN, K_STEPS, B_IS_KN, STAGES, GROUP)
             if k == POST_STEP:
-                if not SEPARATE_POST:
-                    tma.store_wait(pendings=0)
+                tma.store_wait(pendings=0)
                 if LOAD_POST:
                     mbarrier.expect(post_ready, post_desc.block_type.nbytes)
                     _tma_load(post_desc, [off_m, off_n], post_ready, tile_buf)
@@ -156,16 +154,12 @@ if gluon is not None:
     @gluon.jit
     def _mlp_kernel(a_desc, b_desc, post_desc, c_desc, M, N, K_STEPS: gl.constexpr, B_IS_KN: gl.constexpr,
                     EPILOGUE: gl.constexpr, POST_STEP: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
-                    SEPARATE_POST: gl.constexpr, num_warps: gl.constexpr):
+                    num_warps: gl.constexpr):
         BM: gl.constexpr = c_desc.block_type.shape[0]
         BN: gl.constexpr = c_desc.block_type.shape[1]
         dtype: gl.constexpr = a_desc.dtype
         acc_layout: gl.constexpr = _accumulator_layout(BN, num_warps)
         tile_buf = gl.allocate_shared_memory(dtype, [BM, BN], c_desc.layout)  # the post tile in, the result out
-        if SEPARATE_POST:  # the post tile in a buffer of its own, requested before the result's store has drained
-            post_buf = gl.allocate_shared_memory(dtype, [BM, BN], c_desc.layout)
-        else:
-            post_buf = tile_buf
         post_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(post_ready, count=1)
         a_bufs, b_bufs, ready, first, programs, tiles_m, tiles_n, my_tiles, total, p_m, p_n = _start_loads(
@@ -173,23 +167,17 @@ if gluon is not None:
         for tile in range(my_tiles):
             acc, off_m, off_n, p_m, p_n = _tile_products(
                 tile, first, programs, tiles_m, tiles_n, total, p_m, p_n, a_desc, b_desc, a_bufs, b_bufs, ready,
-                post_desc, post_ready, post_buf, acc_layout, K_STEPS, B_IS_KN, EPILOGUE == 2, POST_STEP, STAGES,
-                GROUP, SEPARATE_POST)
+                post_desc, post_ready, tile_buf, acc_layout, K_STEPS, B_IS_KN, EPILOGUE == 2, POST_STEP, STAGES,
+                GROUP)
             if EPILOGUE == 2:
                 mbarrier.wait(post_ready, tile & 1)
-                post = post_buf.load(acc_layout).to(gl.float32)
+                post = tile_buf.load(acc_layout).to(gl.float32)
                 out = acc * (2.0 * gl.sqrt(post))
             elif EPILOGUE == 1:
                 r = gl.maximum(acc, 0.0)
                 out = r * r
             else:
                 out = acc
-            if SEPARATE_POST:
-                # the previous result has left the tile buffer (the thread that issued its store waits, the rest
-                # wait for it), and every thread has read its post values before the next tile's request
-                # overwrites them
-                tma.store_wait(pendings=0)
-                _barrier()
             tile_buf.store(out.to(dtype))
             fence_async_shared()
             _tma_store(c_desc, [off_m, off_n], tile_buf)
@@ -216,7 +204,7 @@ def _descriptor(t: torch.Tensor, block: list[int]):
 def _launch(a: torch.Tensor, b: torch.Tensor, b_is_kn: bool, epilogue: int, post: torch.Tensor | None = None,
             post_step: int = 3, group_m: int = GROUP_M, stages: int = STAGES, block_m: int = BLOCK_M,
             block_n: int = BLOCK_N, block_k: int = BLOCK_K, warps: int = WARPS,
-            programs: int | None = None, separate_post: bool = False) -> torch.Tensor:
+            programs: int | None = None) -> torch.Tensor:
     M, K = a.shape
     N, b_k = (b.shape[1], b.shape[0]) if b_is_kn else b.shape
     if b_k != K or (post is not None and (post.shape != (M, N) or post.dtype != a.dtype)):
@@ -233,8 +221,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, b_is_kn: bool, epilogue: int, post
     _mlp_kernel[grid](_descriptor(a, [block_m, block_k]),
                       _descriptor(b, [block_k, block_n] if b_is_kn else [block_n, block_k]), post_desc, c_desc, M, N,
                       K_STEPS=K // block_k, B_IS_KN=b_is_kn, EPILOGUE=epilogue,
-                      POST_STEP=min(post_step, K // block_k - 1), STAGES=stages, GROUP=group_m,
-                      SEPARATE_POST=separate_post and post is not None, num_warps=warps)
+                      POST_STEP=min(post_step, K // block_k - 1), STAGES=stages, GROUP=group_m, num_warps=warps)
     return out
 
 
@@ -247,10 +234,7 @@ def relu2_dgrad(dy: torch.Tensor, w: torch.Tensor, post: torch.Tensor | None, **
     """(dy w) * 2 sqrt(post) for dy (M, K), w (K, N), post (M, N), one 16-bit dtype; with post None, dy w alone
     (the kernel's own speed). Keywords: the tiling (`post_step`, the K step of each tile at which its post tile is
     requested; `group_m`, `stages`, `block_m`, `block_n`, `block_k`, `warps` (4: one warpgroup, at most 64 x 256 or
-    128 x 128 of accumulator), `programs`, more than the multiprocessors where two programs fit on one;
-    `separate_post`, the post tile in a shared-memory buffer of its own, so that it can be requested at any K step
-    without waiting for the previous result's store: 64 KB more, which fits at 2 stages of 64-wide K steps or 4 of
-    32-wide ones)); relu2_dgrad_apart.py has the kernel's forms with the epilogue apart from the products."""
+    128 x 128 of accumulator), `programs`, more than the multiprocessors where two programs fit on one)."""
     return _launch(dy, w, True, EPILOGUE_NONE if post is None else EPILOGUE_RELU2_GRAD, post=post, **tiles)
 
 

@@ -1,5 +1,5 @@
 """Linear maps too thin for a matrix product: y = x w^T for x (tokens, K) and w (N, K) with K and N a few dozen
-at most (the attention gate's 12 -> 4 per token, `model.attn_gate=fused`).
+at most (the attention gate's 12 -> 4 per token).
 
 cuBLAS runs such shapes as tensor-core kernels over tiles that are almost all padding, and the weight gradient,
 a sum over every token into N x K numbers, as a split-K product with a reduction kernel after it: three products

@@ -153,10 +153,18 @@ def synthetic_source_of(cfg: Config) -> str:
     return CANDIDATE if cfg.credit.source == "exact" else cfg.credit.source
 
 
+def arm_label(arm: str, synthetic_source: str) -> str:
+    """The screen's two roles as arms of the one registry (creditlab/arms.py): native backprop, and the synthetic
+    source with no teacher update (its predictor never fitted: all its operations, zero decoders)."""
+    return "native" if arm == "native" else f"{synthetic_source}@credit.teacher_every=0"
+
+
 def arm_overrides(arm: str, synthetic_source: str) -> list[str]:
-    if arm == "native":
-        return ["credit.source=exact"]
-    return [f"credit.source={synthetic_source}", "credit.teacher_every=0"]
+    from creditlab.arms import parse_arm
+    from creditlab.credit import registry
+
+    registry.source_class(synthetic_source)  # an unknown source is named as one (a ValueError listing them)
+    return list(parse_arm(arm_label(arm, synthetic_source)).overrides)
 
 
 def arm_config(cfg: Config, arm: str, synthetic_source: str) -> Config:
