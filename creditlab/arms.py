@@ -33,9 +33,11 @@ class _Registry(Mapping):
     when first read, so a source registered there is an arm of every command, with no second list."""
 
     def _arms(self) -> dict[str, Arm]:
-        if not hasattr(self, "_built"):
+        key = tuple(registry.SOURCES.items())  # built again when a source is registered
+        if getattr(self, "_key", None) != key:
             sources = [Arm(name, (f"credit.source={name}",), registry.source_class(name).about)
                        for name in registry.SOURCES if name != "exact"]
+            self._key = key
             self._built = {arm.name: arm for arm in (
                 Arm("native", ("credit.source=exact",), registry.source_class("exact").about), *sources,
                 Arm("intermittent", ("credit.source=exact",), "native backprop, fewer updates at the reference "

@@ -39,7 +39,7 @@ def test_seed_preset_matches_design_section_2():
     assert m.vocab_size <= m.padded_vocab < m.vocab_size + config.VOCAB_PAD
     assert m.padded_vocab == 12_352
     s = config.load("seed").screen
-    assert (s.updates, s.seed, s.window) == (12, 42261, 6)
+    assert (s.updates, s.cycle_gate) == (12, 0.93)
     assert s.peak_gate_mib == 23_400.0 and s.cycle_gate == 0.93
 
 
@@ -99,7 +99,7 @@ def test_unknown_section_lists_every_valid_key():
     assert "optimizer.lr" in msg
     for key in config.valid_keys():
         assert key in msg
-    assert {"model.layers", "train.micro_batch", "credit.rank", "screen.ratio_gate", "data.source"} \
+    assert {"model.layers", "train.micro_batch", "credit.rank", "screen.cycle_gate", "data.source"} \
         <= set(config.valid_keys())
 
 
@@ -136,7 +136,12 @@ def test_bad_values_raise_a_clear_error(override, words):
     (["train.device=tpu"], "train.device"),
     (["train.dtype=fp8"], "train.dtype"),
     (["train.cooldown_frac=1.5"], "cooldown_frac"),
-    (["credit.rank=0"], "credit.rank"),
+    # a source's own settings are its own to check: a fitted source's, the sketch's, DFA's
+    (["credit.source=learned", "credit.rank=0"], "credit.rank"),
+    (["credit.source=dni", "credit.fit=exact"], "credit.fit must be one of adam|lstsq"),
+    (["credit.source=learned", "credit.fit_decay=1"], "credit.fit_decay must lie in [0, 1)"),
+    (["credit.source=sketch", "credit.sketch_every=0"], "credit.sketch_rank and credit.sketch_every must be positive"),
+    (["credit.source=dfa", "credit.dfa_scale=loud"], "credit.dfa_scale must be one of none|calibrated"),
     (["credit.teacher_every=-1"], "teacher_every"),
     (["model.head=fp16"], "model.head"),
     (["model.head=fp8", "train.loss_chunk=100"], "train.loss_chunk to be a multiple of 16"),
@@ -148,8 +153,9 @@ def test_bad_values_raise_a_clear_error(override, words):
     (["train.lr_embed=-0.1"], "train.lr_embed must be a finite number >= 0, got -0.1"),
     (["train.lr_head=inf"], "train.lr_head must be a finite number >= 0, got inf"),
     (["train.lr_scalar=-1"], "train.lr_scalar must be a finite number >= 0, got -1.0"),
-    (["credit.predictor_lr=-1e-2"], "credit.predictor_lr must be a finite number >= 0, got -0.01"),
-    (["credit.fit_ridge=nan"], "credit.fit_ridge must be a finite number >= 0, got nan"),
+    (["credit.source=learned", "credit.predictor_lr=-1e-2"],
+     "credit.predictor_lr must be a finite number >= 0, got -0.01"),
+    (["credit.source=typed", "credit.fit_ridge=nan"], "credit.fit_ridge must be a finite number >= 0, got nan"),
     # the model's shape and numbers
     (["model.gate_dim=0"], "model.gate_dim must lie in [1, model.width=64], got 0"),
     (["model.gate_dim=-1"], "model.gate_dim must lie in [1, model.width=64], got -1"),
@@ -167,9 +173,7 @@ def test_bad_values_raise_a_clear_error(override, words):
     (["train.device=cpu", "train.dtype=bf16"], "train.dtype=bf16 (autocast) needs CUDA"),
     # the screen's shape and gates
     (["screen.updates=0"], "screen.updates must be positive, got 0"),
-    (["screen.window=0"], "screen.window must be positive, got 0"),
     (["screen.cycle_gate=0"], "screen.cycle_gate must be a finite number > 0, got 0.0"),
-    (["screen.ratio_gate=nan"], "screen.ratio_gate must be a finite number > 0, got nan"),
     (["screen.peak_gate_mib=-1"], "screen.peak_gate_mib must be a finite number >= 0, got -1.0"),
     (["screen.cap_gpu_s=nan"], "screen.cap_gpu_s must be a finite number >= 0, got nan"),
     (["screen.memory_cap_mib=-1"], "screen.memory_cap_mib must be a finite number >= 0, got -1.0"),
@@ -190,7 +194,7 @@ def test_invalid_values_and_combinations_are_rejected_naming_the_key_and_value(o
     "train.lr_muon=0", "train.lr_embed=0", "credit.predictor_lr=0", "model.gate_dim=1", "model.value_embeds=0",
     "train.warmup=0", "train.log_every=1",
     "model.rope_base=0.5", "model.logit_cap=1e-3", "screen.cap_gpu_s=0", "screen.memory_cap_mib=0",
-    "screen.window=1", "screen.updates=1", "compare.reference=zero",
+    "screen.updates=1", "compare.reference=zero",
     "compare.reference=learned@credit.schedule=warmup:20,4", "train.device=cuda", "train.dtype=bf16",
 ])
 def test_range_boundaries_are_accepted(override):
@@ -232,7 +236,8 @@ def test_train_on_cuda_without_cuda_exits_2_with_one_line(capsys):
 
 def test_validation_collects_every_problem():
     with pytest.raises(ConfigError) as exc:
-        config.load("tiny", ["model.width=66", "model.heads=4", "train.micro_batch=0", "credit.rank=0"])
+        config.load("tiny", ["model.width=66", "model.heads=4", "train.micro_batch=0", "credit.source=learned",
+                             "credit.rank=0"])
     msg = str(exc.value)
     assert "divisible" in msg and "train.micro_batch" in msg and "credit.rank" in msg
 

@@ -103,8 +103,10 @@ def test_incomplete_arms_without_a_reason_have_no_verdict():
 
 
 def test_gates_come_from_the_config_and_exit_codes_are_distinct():
-    g = Gates.from_config(config.load("seed").screen)
-    assert (g.ratio, g.peak_mib, g.cap_s, g.window) == (0.9066667, 23_400.0, 1_200.0, 6)
+    g = Gates.from_config(config.load("seed"))
+    assert (round(g.ratio, 7), g.peak_mib, g.cap_s, g.window) == (0.9066667, 23_400.0, 1_200.0, 6)
+    # the ratio gate follows the cycle gate and the teacher cycle's length: one teacher in 2 at 0.93 gives 0.86
+    assert Gates.from_config(config.load("seed", ["credit.teacher_every=2"])).ratio == pytest.approx(0.86)
     assert set(EXIT_CODES) == set(VERDICTS)
     codes = list(EXIT_CODES.values()) + [EXIT_ERROR, EXIT_REFUSED, EXIT_INVALID]
     assert len(set(codes)) == len(codes) and EXIT_CODES["pass"] == 0

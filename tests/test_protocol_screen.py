@@ -24,7 +24,7 @@ from creditlab.protocol import screen as scr
 from creditlab.protocol.records import read_jsonl
 
 UPDATES = 4
-SMALL = ["credit.source=zero", f"screen.updates={UPDATES}", "screen.window=2", "train.micro_batch=2",
+SMALL = ["credit.source=zero", f"screen.updates={UPDATES}", "train.micro_batch=2",
          "train.grad_accum=2", "model.seq_len=32", "train.warmup=0"]
 
 
@@ -91,7 +91,7 @@ def test_arm_configs_and_the_candidate_source():
     assert native.credit.source == "exact" and synthetic.credit.source == "learned"
     assert synthetic.credit.teacher_every == 0
     for c in (native, synthetic):
-        assert c.train.seed == cfg.screen.seed == 42261 and c.train.updates == cfg.screen.updates
+        assert c.train.seed == cfg.train.seed == 42261 and c.train.updates == cfg.screen.updates
     assert native.train == synthetic.train and native.model == synthetic.model  # same optimizers, same model
 
 
@@ -116,7 +116,7 @@ def test_a_screen_under_torchrun_is_refused_before_any_record(tmp_path, monkeypa
 # ---- a whole screen ----------------------------------------------------------------------------------------
 
 def test_exploratory_screen_writes_a_complete_record(tmp_path):
-    cfg = cfg_for(tmp_path, "screen.ratio_gate=100", "screen.memory_cap_mib=4000")
+    cfg = cfg_for(tmp_path, "screen.cycle_gate=100", "screen.memory_cap_mib=4000")
     out = screen(cfg)
     r, rec = out.result, out.record_dir
     assert out.exit_code == 0 and r["measured"] == "pass" and r["verdict"] is None and out.verdict is None
@@ -150,7 +150,7 @@ def test_exploratory_screen_writes_a_complete_record(tmp_path):
     assert rows[0]["loss"] == pytest.approx(rows[1]["loss"], rel=1e-6)
     # Gates on the CPU: the peak gate is not applicable.
     assert r["gates"]["peak"]["outcome"] == "n/a" and r["gates"]["ratio"]["outcome"] == "pass"
-    assert r["arms"]["synthetic"]["median_last2_s"] > 0
+    assert r["arms"]["synthetic"][f"median_last{UPDATES}_s"] > 0
     report = (rec / "report.md").read_text()
     assert "Exploratory screen" in report and "**Exploratory, no verdict.** Measured: pass." in report
     assert "**Verdict" not in report and "| native | exact | 4/4 |" in report and "interleaved" in report
@@ -162,7 +162,7 @@ def test_the_ratio_per_round_is_recorded_beside_the_verdict(tmp_path):
     and the report, as information; the verdict's ratio stays the ratio of last-window medians."""
     from creditlab.arms_runner import round_ratio
 
-    out = screen(cfg_for(tmp_path, "screen.updates=6", "screen.ratio_gate=100"))
+    out = screen(cfg_for(tmp_path, "screen.updates=6", "screen.cycle_gate=100"))
     rows = read_jsonl(out.record_dir / "rows.jsonl")
     seconds = {a: [x["seconds"] for x in rows if x["arm"] == a] for a in scr.ARMS}
     median, low, high, rounds = round_ratio(seconds["synthetic"], seconds["native"])
@@ -178,7 +178,7 @@ def test_the_ratio_per_round_is_recorded_beside_the_verdict(tmp_path):
 
 
 def test_timing_miss_and_cap_miss_exit_codes(tmp_path):
-    out = screen(cfg_for(tmp_path, "screen.ratio_gate=0.0001"))
+    out = screen(cfg_for(tmp_path, "screen.cycle_gate=0.25"))
     assert (out.measured, out.exit_code) == ("timing_miss", 4)
     assert out.result["decided_by"]["name"] == "ratio"
     now = {"t": 0.0}
@@ -265,7 +265,7 @@ def test_an_error_is_recorded_not_lost(tmp_path):
 
 def test_admitted_screen_one_verdict_one_repair(tmp_path, decisive):
     root = tree(tmp_path / "repo")
-    cfg = cfg_for(tmp_path, "screen.ratio_gate=0.0001")  # a timing miss, deterministically
+    cfg = cfg_for(tmp_path, "screen.cycle_gate=0.25")  # a timing miss, deterministically
     a, _ = adm.admit(cfg, root=root)
     runs = tmp_path / "runs"
     first, v = scr.admitted_screen(a.id, runs, root=root, log=io.StringIO())
@@ -304,7 +304,7 @@ def test_an_admitted_screen_on_prepared_shards_records_them_by_hash(tmp_path, de
     data = prepare_corpus(tmp_path / "corpus", tmp_path / "prepared")
     root = tree(tmp_path / "repo")
     cfg = cfg_for(tmp_path, "data.source=shards", f"data.dir={data}", f"model.vocab_size={VOCAB}",
-                  "screen.ratio_gate=0.0001")
+                  "screen.cycle_gate=0.25")
     a, _ = adm.admit(cfg, root=root)
     shards = [f for f in a.files if f.role == "data_shard"]
     assert shards, "the admission froze no shard"
@@ -329,14 +329,14 @@ def test_admitted_screen_refuses_a_changed_file(tmp_path):
 
 def test_cli_screen_json(tmp_path, capsys):
     code = cli.main(["screen", "--preset", "tiny", "--json", "--set", f"train.out_dir={tmp_path / 'runs'}",
-                     *[x for s in SMALL for x in ("--set", s)], "--set", "screen.ratio_gate=100"])
+                     *[x for s in SMALL for x in ("--set", s)], "--set", "screen.cycle_gate=100"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["verdict"] is None and out["measured"] == "pass" and out["admission"] is None
     assert "no admission" in out["exploratory"]
     assert set(out) >= {"verdict", "ratio", "arms", "gates", "record_dir", "admission"}
     assert set(out["arms"]) == {"native", "synthetic"}
     for a in out["arms"].values():
-        assert a["updates"] == UPDATES and a["peak_mib"] is None and a["median_last2_s"] > 0
+        assert a["updates"] == UPDATES and a["peak_mib"] is None and a[f"median_last{UPDATES}_s"] > 0
     assert isinstance(out["ratio"], float) and Path(out["record_dir"]).is_dir()
 
 
@@ -366,9 +366,9 @@ def _sequential(arms, rounds, step, *, stop=None, after_round=None):
 
 
 def test_a_host_turning_busy_slows_both_interleaved_arms_alike(tmp_path, monkeypatch):
-    cfg = cfg_for(tmp_path, "screen.ratio_gate=100")
+    cfg = cfg_for(tmp_path, "screen.cycle_gate=100")
     out = screen(cfg, hooks=scr.Hooks(micro_batch=_busy_from_half(UPDATES, 2, 0.15)))
-    assert 0.6 < out.result["ratio"] < 1.6, out.result["ratio"]  # the last-2 windows of both arms are busy
+    assert 0.6 < out.result["ratio"] < 1.6, out.result["ratio"]  # the last windows of both arms are busy
     # Control: the same busy host with the arms one after the other lands on the synthetic arm alone, the
     # failure the interleaving exists to prevent (same config, `pass` once and `timing_miss` seven times).
     monkeypatch.setattr(scr, "run_rounds", _sequential)
@@ -389,7 +389,7 @@ def test_the_screen_and_the_benchmark_share_one_runner():
 
 def test_an_admitted_screen_on_the_cpu_records_no_verdict(tmp_path):
     root = tree(tmp_path / "repo")
-    a, _ = adm.admit(cfg_for(tmp_path, "screen.ratio_gate=0.0001"), root=root)
+    a, _ = adm.admit(cfg_for(tmp_path, "screen.cycle_gate=0.25"), root=root)
     runs = tmp_path / "runs"
     log = io.StringIO()
     first, _ = scr.admitted_screen(a.id, runs, root=root, log=log)
@@ -408,7 +408,7 @@ def test_an_admitted_screen_on_the_cpu_records_no_verdict(tmp_path):
 
 def test_the_cli_marks_a_cpu_screen_under_an_admission_exploratory(tmp_path, capsys):
     root = tree(tmp_path / "repo")
-    a, _ = adm.admit(cfg_for(tmp_path, "screen.ratio_gate=100"), root=root)
+    a, _ = adm.admit(cfg_for(tmp_path, "screen.cycle_gate=100"), root=root)
     outcome, _ = scr.admitted_screen(a.id, tmp_path / "runs", root=root, log=io.StringIO())
     assert outcome.exit_code == 0 and outcome.verdict is None and outcome.measured == "pass"
     assert "exploratory, pass measured, no verdict" in (outcome.record_dir / "report.md").read_text()
@@ -418,7 +418,7 @@ def test_the_cli_marks_a_cpu_screen_under_an_admission_exploratory(tmp_path, cap
 
 def test_an_interrupted_screen_makes_the_next_one_a_retry(tmp_path, decisive):
     root = tree(tmp_path / "repo")
-    a, _ = adm.admit(cfg_for(tmp_path, "screen.ratio_gate=0.0001"), root=root)
+    a, _ = adm.admit(cfg_for(tmp_path, "screen.cycle_gate=0.25"), root=root)
     runs = tmp_path / "runs"
 
     def interrupt(arm, update, micro):
@@ -451,7 +451,7 @@ scr.admitted_screen(sys.argv[1], sys.argv[2], root=sys.argv[3], hooks=scr.Hooks(
 
 def test_a_killed_screen_leaves_a_record_and_the_next_is_its_retry(tmp_path, decisive):
     root = tree(tmp_path / "repo")
-    a, _ = adm.admit(cfg_for(tmp_path, "screen.ratio_gate=0.0001"), root=root)
+    a, _ = adm.admit(cfg_for(tmp_path, "screen.cycle_gate=0.25"), root=root)
     runs = tmp_path / "runs"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(scr.__file__).parents[2]),
                                                         os.environ.get("PYTHONPATH", "")])}

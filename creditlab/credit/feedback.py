@@ -218,6 +218,13 @@ class DFASource(FittedSource):
     def fits_with(cls, cfg: Config) -> bool:
         return cfg.credit.dfa_scale == "calibrated"
 
+    @classmethod
+    def config_problems(cls, cfg: Config) -> list[str]:
+        problems = super().config_problems(cfg)
+        if cfg.credit.dfa_scale not in ("none", "calibrated"):
+            problems.append(f"credit.dfa_scale must be one of none|calibrated, got {cfg.credit.dfa_scale!r}")
+        return problems
+
     def step(self) -> FeedbackCredit:
         if not self.fits:
             return FeedbackCredit(lambda b: self.feedback[b])

@@ -221,10 +221,11 @@ class TypedSource(LearnedSource):
 
     @classmethod
     def config_problems(cls, cfg: Config) -> list[str]:
+        problems = super().config_problems(cfg)
         if 2 * cfg.credit.rank > cfg.model.width:
-            return [f"credit.rank={cfg.credit.rank}: the typed source projects onto 2 * rank directions, at most "
-                    f"model.width={cfg.model.width}"]
-        return []
+            problems.append(f"credit.rank={cfg.credit.rank}: the typed source projects onto 2 * rank directions, at "
+                            f"most model.width={cfg.model.width}")
+        return problems
 
 
 class _DecodeAllAtTap(torch.autograd.Function):

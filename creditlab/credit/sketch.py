@@ -90,8 +90,12 @@ class SketchSource(CreditSource):
 
     @classmethod
     def config_problems(cls, cfg: Config) -> list[str]:
-        if cfg.credit.sketch_rank > cfg.model.width:
-            return [f"credit.sketch_rank ({cfg.credit.sketch_rank}) exceeds model.width ({cfg.model.width}): "
+        c = cfg.credit
+        if c.sketch_rank < 1 or c.sketch_every < 1:
+            return [f"credit.sketch_rank and credit.sketch_every must be positive, got {c.sketch_rank} and "
+                    f"{c.sketch_every}"]
+        if c.sketch_rank > cfg.model.width:
+            return [f"credit.sketch_rank ({c.sketch_rank}) exceeds model.width ({cfg.model.width}): "
                     "a weight has no more right singular vectors than that"]
         return []
 

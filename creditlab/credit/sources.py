@@ -166,6 +166,19 @@ class FittedSource(CreditSource):
 
     fits = True
 
+    @classmethod
+    def config_problems(cls, cfg: Config) -> list[str]:
+        from creditlab.config import range_problems
+
+        c, problems = cfg.credit, []
+        if c.rank < 1:
+            problems.append(f"credit.rank must be positive, got {c.rank}")
+        if c.fit not in ("adam", "lstsq"):
+            problems.append(f"credit.fit must be one of adam|lstsq, got {c.fit!r}")
+        if not 0.0 <= c.fit_decay < 1.0:
+            problems.append(f"credit.fit_decay must lie in [0, 1), got {c.fit_decay!r}")
+        return problems + range_problems(c, ("predictor_lr", "fit_ridge"), 0.0)
+
     def __init__(self, credit: CreditConfig):
         super().__init__()
         self.credit_cfg = credit

@@ -5,8 +5,8 @@ Four outcomes (design brief section 5), decided in this order, the first that ap
 1. capacity_miss: an arm ran out of memory, or the synthetic arm's peak allocated memory (the maximum over all
    its completed updates) exceeds `peak_gate_mib`;
 2. cap_miss: the screen occupied the device longer than `cap_gpu_s` (it stops when the cap is exceeded);
-3. timing_miss: the ratio of last-`window` medians of synthetic over native seconds per update exceeds
-   `ratio_gate` (0.9066667: (1 + 3r)/4 <= 0.93 with one exact teacher update in four);
+3. timing_miss: the ratio of last-six (WINDOW) medians of synthetic over native seconds per update exceeds the
+   ratio gate (0.9066667: (1 + 3r)/4 <= screen.cycle_gate = 0.93 with one exact teacher update in four);
 4. pass.
 
 Capacity comes first because it is certain as soon as it is seen (a peak only grows), while a screen stopped by
@@ -29,16 +29,27 @@ EXIT_REFUSED = 2  # refused before it ran: admission mismatch, verdict already r
 EXIT_INVALID = 6  # the screen's own premises failed (initialization or inputs differ between arms); no verdict
 
 
+WINDOW = 6  # the verdict reads medians of the last six updates of each arm (design brief section 5)
+
+
+def ratio_gate(cycle_gate: float, teacher_every: int) -> float:
+    """The synthetic/native ratio r at which one teacher cycle of K updates, (1 + (K - 1) r) / K of native's time,
+    meets `cycle_gate`: r = (K cycle_gate - 1) / (K - 1); K is credit.teacher_every (4 where it names no cycle)."""
+    k = teacher_every if teacher_every >= 2 else 4
+    return (k * cycle_gate - 1) / (k - 1)
+
+
 @dataclass(frozen=True)
 class Gates:
     ratio: float = 0.9066667
     peak_mib: float = 23_400.0
     cap_s: float = 1_200.0
-    window: int = 6
+    window: int = WINDOW
 
     @classmethod
-    def from_config(cls, screen) -> "Gates":
-        return cls(screen.ratio_gate, screen.peak_gate_mib, screen.cap_gpu_s, screen.window)
+    def from_config(cls, cfg) -> "Gates":
+        s = cfg.screen
+        return cls(ratio_gate(s.cycle_gate, cfg.credit.teacher_every), s.peak_gate_mib, s.cap_gpu_s)
 
 
 @dataclass(frozen=True)

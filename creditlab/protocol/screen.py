@@ -1,6 +1,6 @@
 """The resource screen: native and synthetic arms, side by side, under one admission (or exploratory).
 
-Two arms of `screen.updates` updates each, seed `screen.seed`, in one process on one device:
+Two arms of `screen.updates` updates each, seed `train.seed`, in one process on one device:
 
 * native: `credit.source=exact`;
 * synthetic: the candidate source with `credit.teacher_every=0` (for `learned`: zero decoders, every predictor
@@ -170,7 +170,7 @@ def arm_overrides(arm: str, synthetic_source: str) -> list[str]:
 def arm_config(cfg: Config, arm: str, synthetic_source: str) -> Config:
     """The arm's config: the screen's seed and update count, and the arm's credit source."""
     c = copy.deepcopy(cfg)
-    c.train.seed, c.train.updates = cfg.screen.seed, cfg.screen.updates
+    c.train.updates = cfg.screen.updates
     for item in arm_overrides(arm, synthetic_source):
         key, _, value = item.partition("=")
         config_mod._assign(c, key, value)
@@ -182,8 +182,8 @@ def preflight(cfg: Config, synthetic_source: str) -> None:
     """Refuse a screen that cannot produce a verdict, before it occupies a device."""
     from creditlab.credit import make_source
 
-    if cfg.screen.updates < 1 or cfg.screen.window < 1:
-        raise ScreenRefused("screen.updates and screen.window must be positive")
+    if cfg.screen.updates < 1:
+        raise ScreenRefused("screen.updates must be positive")
     if rt.launched_processes() > 1:
         raise ScreenRefused("the screen runs its two arms in one process on one device; start it without torchrun")
     if synthetic_source == "exact":
@@ -297,7 +297,7 @@ class _Screen:
         self.cfg, self.record, self.runtime = cfg, record, runtime
         self.synthetic_source, self.hooks, self.log = synthetic_source, hooks, log
         self.clock_start, self.history_entries = clock_start, history_entries
-        self.gates = Gates.from_config(cfg.screen)
+        self.gates = Gates.from_config(cfg)
         self.cap_hit = False
         self.arms: dict[str, ArmRecord] = {}
         self.trainers: dict[str, Any] = {}
@@ -319,7 +319,7 @@ class _Screen:
         from creditlab.train import build_model
 
         model = build_model(arm_config(self.cfg, "native", self.synthetic_source), self.runtime,
-                            seed=self.cfg.screen.seed)
+                            seed=self.cfg.train.seed)
         self.init_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         self.init_sha256 = state_sha256(self.init_state)
         del model
@@ -366,8 +366,8 @@ class _Screen:
         self.arms[arm] = rec
 
         def make():
-            torch.manual_seed(self.cfg.screen.seed)
-            model = build_model(cfg, runtime, seed=self.cfg.screen.seed)
+            torch.manual_seed(self.cfg.train.seed)
+            model = build_model(cfg, runtime, seed=self.cfg.train.seed)
             model.load_state_dict(self.init_state)
             if self.hooks.model is not None:
                 self.hooks.model(arm, model)
@@ -592,7 +592,7 @@ def run_screen(cfg: Config, *, admission: adm_mod.Admission | None = None,
           file=log, flush=True)
     screen = _Screen(cfg, record, runtime, synthetic_source, hooks, log, clock_start, history_entries)
     base = {"record_dir": str(record), "run_id": record.name, **meta, "schedule": "interleaved",
-            "device": str(runtime.device), "prelaunch": prelaunch, "memory_cap": memory_cap, "seed": cfg.screen.seed,
+            "device": str(runtime.device), "prelaunch": prelaunch, "memory_cap": memory_cap, "seed": cfg.train.seed,
             "updates": cfg.screen.updates, "shape": {"micro_batch": cfg.train.micro_batch,
                                                      "seq_len": cfg.model.seq_len, "grad_accum": cfg.train.grad_accum},
             "sources": {"folder": sources["folder"], "files": len(sources["files"])},
@@ -641,8 +641,8 @@ def run_screen(cfg: Config, *, admission: adm_mod.Admission | None = None,
     # The exit code says what was measured, for both kinds; only a final screen names it a verdict.
     result = {**base, **decided, "measured": measured, "verdict": measured if final else None,
               "exit_code": decision.exit_code, "occupied_s": occupied, "cap_hit": screen.cap_hit,
-              "gate_config": {"ratio_gate": cfg.screen.ratio_gate, "peak_gate_mib": cfg.screen.peak_gate_mib,
-                              "cap_gpu_s": cfg.screen.cap_gpu_s, "window": cfg.screen.window,
+              "gate_config": {"ratio_gate": screen.gates.ratio, "peak_gate_mib": cfg.screen.peak_gate_mib,
+                              "cap_gpu_s": cfg.screen.cap_gpu_s, "window": screen.gates.window,
                               "cycle_gate": cfg.screen.cycle_gate},
               "identical_init": {"sha256": screen.init_sha256,
                                  "match": all(r.init_sha256 == screen.init_sha256 for r in screen.arms.values())},
