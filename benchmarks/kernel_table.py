@@ -16,6 +16,10 @@ import re
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from stored import read_stored  # noqa: E402  (a profile packed in results/raw.tar.xz is read from there)
+
 # (class, test on the kernel's name), first match wins.
 CLASSES = [
     ("products (cuBLAS)", lambda n: n.startswith("nvjet") or "gemm" in n or "cutlass" in n),
@@ -55,7 +59,7 @@ def classify(name: str) -> str:
 
 
 def read_profile(path: Path) -> dict:
-    lines = path.read_text().splitlines()
+    lines = read_stored(path).splitlines()
     head = re.search(r"([\d.]+) ms per update, ([\d,]+) kernels per update, over (\d+) profiled", lines[0])
     busy, updates = float(head.group(1)), int(head.group(3))
     by_class: dict[str, float] = {}

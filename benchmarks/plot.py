@@ -19,8 +19,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 
 from creditlab.arms_runner import round_ratio  # noqa: E402
+from stored import is_stored, read_stored  # noqa: E402
 
 
 def _save(fig, path: Path) -> Path:
@@ -44,7 +46,7 @@ def _palette_png(png: bytes) -> bytes:
 
 
 def plot_arms(arms_json: Path, out: Path, name: str, note: str) -> Path:
-    data = json.loads(arms_json.read_text())
+    data = json.loads(read_stored(arms_json))
     results = [r for r in data["results"] if "oom" not in r]
     names = [r["arm"] for r in results]
     native = results[0]["median_last6_s"]
@@ -96,7 +98,7 @@ def plot_arms(arms_json: Path, out: Path, name: str, note: str) -> Path:
 
 def plot_arm_rows(arms_json: Path, out: Path, name: str) -> Path:
     """Seconds of every update of every arm: the spread the last-six medians summarize."""
-    data = json.loads(arms_json.read_text())
+    data = json.loads(read_stored(arms_json))
     fig, ax = plt.subplots(figsize=(8, 3.8))
     for r in (r for r in data["results"] if "oom" not in r):
         rows = r["rows"][1:]  # the first update compiles
@@ -113,7 +115,7 @@ def plot_arm_rows(arms_json: Path, out: Path, name: str) -> Path:
 
 def plot_recompute_tradeoff(arms_json: Path, out: Path, name: str) -> Path:
     """s/update against peak memory for each choice of what the backward recomputes."""
-    data = json.loads(arms_json.read_text())
+    data = json.loads(read_stored(arms_json))
     fig, ax = plt.subplots(figsize=(7.5, 4))
     for r in (r for r in data["results"] if "oom" not in r):
         ax.plot(r["peak_allocated_mib"], r["median_last6_s"], "o", color="#4c72b0")
@@ -132,7 +134,7 @@ def plot_recompute_tradeoff(arms_json: Path, out: Path, name: str) -> Path:
 def plot_clocks(dmon_txt: Path, out: Path, name: str) -> Path:
     """Board power and SM clock sampled every 2 s by `nvidia-smi dmon` during an arms run."""
     header, rows = None, []
-    for line in dmon_txt.read_text().splitlines():
+    for line in read_stored(dmon_txt).splitlines():
         if line.startswith("# gpu"):
             header = line[1:].split()
         elif header and line.strip() and not line.startswith("#"):
@@ -182,7 +184,7 @@ def plot_host_lead(result_json: Path, out: Path, name: str, skip: int = 2) -> Pa
     `benchmarks/host_lead.py`, in ms, with their medians."""
     import statistics
 
-    result = json.loads(result_json.read_text())
+    result = json.loads(read_stored(result_json))
     sleep_s = result["sleep_s"]
     fig, ax = plt.subplots(figsize=(7, 3.4))
     for i, (arm, times) in enumerate(result["arms"].items()):
@@ -211,9 +213,9 @@ def plot_screens(records: Path, out: Path) -> Path:
     for ax in axes.flat[len(screens):]:
         ax.set_visible(False)
     for ax, folder in zip(axes.flat, screens):
-        rows = [json.loads(line) for line in (folder / "rows.jsonl").read_text().splitlines() if line.strip()]
-        config = json.loads((folder / "config.json").read_text())
-        result = json.loads((folder / "result.json").read_text())
+        rows = [json.loads(line) for line in read_stored(folder / "rows.jsonl").splitlines() if line.strip()]
+        config = json.loads(read_stored(folder / "config.json"))
+        result = json.loads(read_stored(folder / "result.json"))
         for arm, color in (("native", "#4c72b0"), ("synthetic", "#dd8452")):
             arm_rows = [r for r in rows if r.get("arm") == arm]
             if arm_rows:
@@ -222,7 +224,7 @@ def plot_screens(records: Path, out: Path) -> Path:
         cap = config["screen"]["memory_cap_mib"]
         kind = "materialized" if config["credit"]["materialized"] else "streaming"
         env = folder / "env.json"
-        gpu = json.loads(env.read_text()).get("gpu", "") if env.exists() else ""
+        gpu = json.loads(read_stored(env)).get("gpu", "") if is_stored(env) else ""
         card = next((name for name in ("H200", "H100") if name in gpu), gpu or "card not recorded")
         ax.set_title(f"{folder.name[:15]}: {'cap ' + format(cap, ',.0f') + ' MiB' if cap else 'no cap'}, {kind}, "
                      f"{card}\nverdict: {result['verdict']}", fontsize=9)
@@ -237,7 +239,7 @@ def plot_screens(records: Path, out: Path) -> Path:
 def plot_kernel_bandwidth(bandwidth_json: Path, out: Path, name: str, top: int = 10) -> Path:
     """Per arm, the generated kernels furthest over the streaming rate: their time in the step against the time
     their bytes need at that rate (kernel_bandwidth.py)."""
-    data = json.loads(bandwidth_json.read_text())
+    data = json.loads(read_stored(bandwidth_json))
     arms = data["arms"]
     rate = data["streaming_gbps"] / 1e3
     fig, axes = plt.subplots(1, len(arms), figsize=(5.2 * len(arms), 4.2))
@@ -368,7 +370,7 @@ ARMS_FIGURES = [
 def plot_head_loss(results: list[Path], out: Path, name: str) -> Path:
     """One micro-batch's head loss, the loop as it is against the loop it replaced, in each process: the
     median ms of each, and each round's difference."""
-    data = [json.loads(r.read_text()) for r in results]
+    data = [json.loads(read_stored(r)) for r in results]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.6))
     x = range(len(data))
     for offset, loop, color in ((-0.2, "before", "#999999"), (0.2, "as it is", "#4c72b0")):
@@ -392,7 +394,7 @@ def plot_head_loss(results: list[Path], out: Path, name: str) -> Path:
 def plot_products(results: Path, out: Path, name: str) -> Path:
     """Each of the step's plain products, cuBLAS against the persistent Triton kernel: TFLOP/s (medians of
     alternated rounds)."""
-    rows = json.loads(results.read_text())["rows"]
+    rows = json.loads(read_stored(results))["rows"]
     paths = list(rows[0]["median_ms"])
     fig, ax = plt.subplots(figsize=(11, 4))
     width = 0.8 / len(paths)
@@ -409,7 +411,7 @@ def plot_products(results: Path, out: Path, name: str) -> Path:
 def plot_fit_variants(results: Path, out: Path, name: str, default: str) -> Path:
     """The fit kernel's variants at the seed shape: median ms of alternated rounds, fastest first; the ones that
     leave work out (wrong results) hatched, the reads of c alone and cuBLAS's c D as the floor."""
-    data = json.loads(results.read_text())
+    data = json.loads(read_stored(results))
     times = sorted(data["times_ms"].items(), key=lambda kv: kv[1])
     fig, ax = plt.subplots(figsize=(10, 0.24 * len(times) + 1.2))
     for i, (variant, ms) in enumerate(times):
@@ -438,7 +440,7 @@ def _ratio_bar(ax, y: float, r: dict, height: float, color: str, label: str | No
 def plot_softcap_variants(results: Path, out: Path, name: str) -> Path:
     """The head loss's cross-entropy kernel against its variants, one chunk: the per-round ratio over the kernel
     (median and range of alternated rounds), for the bf16 and the FP8 head's e5m2 gradient."""
-    data = json.loads(results.read_text())["variants"]
+    data = json.loads(read_stored(results))["variants"]
     names = list(dict.fromkeys(k.rsplit(", ", 1)[0] for k in data))
     fig, ax = plt.subplots(figsize=(10, 0.42 * len(names) + 1.4))
     for j, (grad, color) in enumerate((("bf16", "#4c72b0"), ("e5m2", "#dd8452"))):
@@ -504,7 +506,7 @@ def plot_path_ratios(results: list[Path], out: Path, name: str, labels: tuple[st
     """A kernel benchmark's paths (`checked_paths`' results: "paths" with "ratio_per_round" and "ratio_range"),
     each path's time over its group's base per round (median and range of alternated rounds), in each process;
     `labels`: the x label and the title."""
-    data = [json.loads(r.read_text())["paths"] for r in results]
+    data = [json.loads(read_stored(r))["paths"] for r in results]
     names = list(data[0])
     fig, ax = plt.subplots(figsize=(10, 0.36 * len(names) * len(data) + 1.4))
     colors = ("#4c72b0", "#dd8452", "#55a868")
@@ -527,7 +529,7 @@ def plot_path_ratios(results: list[Path], out: Path, name: str, labels: tuple[st
 def plot_gate_decode(results: Path, out: Path, name: str) -> Path:
     """The predictor's skinny products, one branch and micro-batch: each path's time per call and its rate over the
     bytes it must move (medians of alternated rounds), the state gate and the decode in a panel each."""
-    data = json.loads(results.read_text())
+    data = json.loads(read_stored(results))
     paths = data["paths"]
     products = list(dict.fromkeys(r["product"] for r in paths.values()))
     fig, axes = plt.subplots(len(products), 1, figsize=(10, 0.3 * len(paths) + 2.2), squeeze=False)
@@ -553,7 +555,7 @@ def plot_embedding_grad(results: Path, out: Path, name: str) -> Path:
     """The embedding tables' backward, one micro-batch, in ms (medians of alternated rounds): the lookups'
     forward + backward less the forward alone, and the kernel configurations' sort and tables alone, for the
     two ways of drawing the ids."""
-    data = json.loads(results.read_text())["results"]
+    data = json.loads(read_stored(results))["results"]
     kinds = list(data)
     names = [n for n in data[kinds[0]]["variants"] if n != "forward alone"]
     fig, ax = plt.subplots(figsize=(10, 0.42 * len(names) + 1.6))
@@ -577,7 +579,7 @@ def plot_step_gradients(result_json: Path, out: Path, name: str) -> Path:
     """Each parameter's gradient error against float64 over its level (the plain step's error in the same
     precision): eager (circles) and compiled (crosses), one panel per arm and kind; the flag lines at the level
     and at OVER_LEVEL x it; parameters not judged in grey."""
-    data = json.loads(result_json.read_text())
+    data = json.loads(read_stored(result_json))
     bounds = data["bounds"]
     panels = [(arm, kind, errors, {f["parameter"] for f in r["unjudged"] if f["kind"] == kind})
               for arm, r in data["arms"].items() for kind, errors in r["errors"].items()]
@@ -607,7 +609,7 @@ def plot_step_gradients(result_json: Path, out: Path, name: str) -> Path:
 def step_lines(log: Path) -> list[dict]:
     """Rank 0's step lines of a `creditlab train` log as rows: update, kind, seconds."""
     rows = []
-    for line in log.read_text().splitlines():
+    for line in read_stored(log).splitlines():
         parts = [p.strip() for p in line.split("|")]
         if parts[0].startswith("update ") and len(parts) > 4 and parts[4].endswith(" s"):
             rows.append({"update": int(parts[0].split()[1].split("/")[0]) - 1, "kind": parts[1],
@@ -618,7 +620,7 @@ def step_lines(log: Path) -> list[dict]:
 def plot_ddp(ddp_json: Path, out: Path, name: str, logs: dict[str, Path] | None = None) -> Path:
     """Seconds per update of every data-parallel run (a kind's first update, which compiles, left out), and
     tokens/s against the one-GPU run. `logs` fills a run whose rows the script did not read from its log."""
-    data = json.loads(ddp_json.read_text())
+    data = json.loads(read_stored(ddp_json))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
     throughput = {}
     for run in data["runs"]:
