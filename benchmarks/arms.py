@@ -3,7 +3,7 @@
     python benchmarks/arms.py --out DIR --arms native,zero [--preset seed] [--updates 12] [--set k=v ...]
 
 An arm is a label of the arm registry (creditlab/arms.py), as `creditlab compare` takes it: `native`, `zero`,
-`learned` (one teacher update in four), `learned@credit.teacher_every=0` (synthetic updates alone),
+`learned` (one teacher update in four), `learned@credit.schedule=never` (synthetic updates alone),
 `native@model.head=fp8`, `sketch@credit.sketch_rank=16`. Each arm starts from the same state-dict bytes and
 reads the same micro-batches; per update it records synchronized wall time, loss and peak memory. Results go
 to DIR/arms.json and DIR/arms.md (last-six medians, ratios against the first arm).

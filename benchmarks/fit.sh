@@ -33,6 +33,6 @@ case "$1" in
     done ;;
   cost)
     python3 benchmarks/arms.py --out "$2/cost" --updates 12 \
-      --arms native,zero,learned@credit.teacher_every=0,typed@credit.teacher_every=0,fitted_feedback@credit.teacher_every=0,learned@credit.teacher_every=1,learned@credit.teacher_every=1@credit.fit=lstsq,typed@credit.teacher_every=1@credit.fit=lstsq,fitted_feedback@credit.teacher_every=1@credit.fit=lstsq ;;
+      --arms native,zero,learned@credit.schedule=never,typed@credit.schedule=never,fitted_feedback@credit.schedule=never,learned@credit.teacher_every=1,learned@credit.teacher_every=1@credit.fit=lstsq,typed@credit.teacher_every=1@credit.fit=lstsq,fitted_feedback@credit.teacher_every=1@credit.fit=lstsq ;;
   *) echo "usage: $0 smoke OUT | run DATA OUT SEED | ceilings OUT SEED | cost OUT" >&2; exit 2 ;;
 esac

@@ -23,8 +23,14 @@ from creditlab.credit.schedules import plan_for
 class Arm:
     name: str
     overrides: tuple[str, ...]
-    about: str
+    source: str  # the credit source it runs
     budgeted: bool = False  # its update count comes from a reference arm's GPU-seconds
+    note: str | None = None  # what it is, where the source's own `about` does not say it
+
+    @property
+    def about(self) -> str:
+        """One line on what the arm is (read from its source's class: imported only when asked)."""
+        return self.note or registry.source_class(self.source).about
 
 
 class _Registry(Mapping):
@@ -35,13 +41,13 @@ class _Registry(Mapping):
     def _arms(self) -> dict[str, Arm]:
         key = tuple(registry.SOURCES.items())  # built again when a source is registered
         if getattr(self, "_key", None) != key:
-            sources = [Arm(name, (f"credit.source={name}",), registry.source_class(name).about)
-                       for name in registry.SOURCES if name != "exact"]
+            sources = [Arm(name, (f"credit.source={name}",), name) for name in registry.SOURCES if name != "exact"]
             self._key = key
             self._built = {arm.name: arm for arm in (
-                Arm("native", ("credit.source=exact",), registry.source_class("exact").about), *sources,
-                Arm("intermittent", ("credit.source=exact",), "native backprop, fewer updates at the reference "
-                    "arm's GPU-seconds, its schedule fully decayed", budgeted=True))}
+                Arm("native", ("credit.source=exact",), "exact"), *sources,
+                Arm("intermittent", ("credit.source=exact",), "exact", budgeted=True,
+                    note="native backprop, fewer updates at the reference arm's GPU-seconds, its schedule fully "
+                         "decayed"))}
         return self._built
 
     def __getitem__(self, name: str) -> Arm:
@@ -76,6 +82,10 @@ def parse_arm(text: str) -> ArmSpec:
     for item in extra:
         if "=" not in item:
             raise config_mod.ConfigError(f"arm {text!r}: {item!r} is not of the form section.key=value")
+        if item.partition("=")[0].strip() == "credit.source":
+            raise config_mod.ConfigError(f"arm {text!r}: an arm's own overrides may not change its credit source "
+                                         f"(the arm is named by it); name the arm by the source instead, e.g. "
+                                         f"{item.partition('=')[2].strip()}@...")
     return ArmSpec(text.strip(), ARMS[name], tuple(extra))
 
 
@@ -172,7 +182,10 @@ def resolve_arms(specs: list[ArmSpec], preset: str, overrides, floors: bool = Tr
     is not added twice: the listed one serves. Returns the arms in their running order (listed first) and each
     arm's role."""
     def identity(spec: ArmSpec, updates: int | None = None) -> str:
-        return config_mod.Config.to_json(arm_config(preset, overrides, spec, 0, updates))
+        try:
+            return config_mod.Config.to_json(arm_config(preset, overrides, spec, 0, updates))
+        except config_mod.ConfigError:  # refused later, naming the arm (CompareRun.check)
+            return f"invalid: {spec.label}"
 
     base = config_mod.load(preset, list(overrides))
     out = list(specs)
@@ -199,7 +212,11 @@ def resolve_arms(specs: list[ArmSpec], preset: str, overrides, floors: bool = Tr
             if spec.arm.budgeted:
                 roles[spec.label].floor_note = "omits nothing"
                 continue
-            label, note = floor_spec(spec, arm_config(preset, overrides, spec, 0))
+            try:
+                cfg = arm_config(preset, overrides, spec, 0)
+            except config_mod.ConfigError:
+                continue  # refused later, naming the arm (CompareRun.check)
+            label, note = floor_spec(spec, cfg)
             roles[spec.label].floor_note = note
             if label is not None:
                 floor = add(label, Role(added="floor", floor_note="its own floor"))

@@ -1,4 +1,5 @@
-"""`creditlab ceiling`: the fit ceiling of each predictor family at one model state (DESIGN section 10).
+"""`creditlab ceiling`: the fit ceiling of each predictor family at one model state (the least-squares optimum's
+held-out error: what a family can represent, apart from how well training fits it).
 
 Every family below is linear in the terminal error e given the forward states, so its best decoders are a
 least-squares problem per branch b: with features F_b (N, k) and the true corrections C_b (N, d) of N tokens,
@@ -498,7 +499,7 @@ def cmd_ceiling(args) -> int:
 
 def add_commands(sub, config_args) -> None:
     p = sub.add_parser("ceiling", help="least-squares fit ceiling of each predictor family per branch at a model "
-                                       "state (DESIGN section 10)")
+                                       "state: what the family can represent, apart from how well training fits it")
     config_args(p)
     p.set_defaults(preset=None)  # None: not given (with --run the config is the run's); tiny for --updates
     p.add_argument("--run", default=None, help="a run folder (its newest checkpoint_*.pt, else its model.pt), or one "

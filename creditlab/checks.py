@@ -135,6 +135,52 @@ def omission_check(cfg: ModelConfig, seed: int, synthetic=None, op_by_op: bool =
             "passed": omitted == expected and omitting <= native}
 
 
+def finite_difference_check(cfg: ModelConfig, seed: int, step: float = 1e-4) -> dict:
+    """Native backprop's float64 gradient against the loss itself: for every trunk parameter, the directional
+    derivative g . v along a random unit direction v against the central difference (L(p + h v) - L(p - h v)) / 2h
+    of the forward pass alone. This reference shares nothing with the backward (no autograd, no custom backward, no
+    credit context): a gradient the model stops everywhere alike (a stray detach) passes the oracle's comparisons
+    with native, and fails here.
+
+    The tolerance comes from the step: the central difference's error is its truncation, of order h^2, estimated
+    from the steps h and h/2 (Richardson: |D(h) - D(h/2)| is 3/4 of D(h)'s), plus the loss's rounding, at most
+    about 4 eps |L| / h at the smaller step; a parameter passes where |g . v - D(h/2)| <= 10 x (that estimate +
+    the rounding bound) + 1e-12 |g . v|."""
+    model = randomized_model(cfg, seed)
+    idx, targets = _batch(cfg, seed)
+    model.zero_grad(set_to_none=True)
+    model(idx, targets).backward()
+    g = torch.Generator().manual_seed(seed + 7)
+    params = dict(model.trunk_parameters())
+
+    @torch.no_grad()
+    def loss_along(p: torch.nn.Parameter, v: torch.Tensor, h: float) -> float:
+        p.add_(h * v)
+        try:
+            return model(idx, targets).item()
+        finally:
+            p.sub_(h * v)
+
+    eps = torch.finfo(torch.float64).eps
+    groups, passed = [], True
+    with torch.no_grad():
+        base = abs(model(idx, targets).item())
+    for name, p in params.items():
+        v = torch.randn(p.shape, dtype=p.dtype, generator=g)
+        v /= v.norm()
+        analytic = float((p.grad * v).sum()) if p.grad is not None else 0.0
+        d_h = (loss_along(p, v, step) - loss_along(p, v, -step)) / (2 * step)
+        d_half = (loss_along(p, v, step / 2) - loss_along(p, v, -step / 2)) / step
+        tolerance = 10 * (abs(d_h - d_half) / 3 + 4 * eps * base / (step / 2)) + 1e-12 * abs(analytic)
+        error = abs(analytic - d_half)
+        ok = error <= tolerance
+        passed &= ok
+        groups.append({"name": name, "analytic": analytic, "numeric": d_half, "error": error, "tolerance": tolerance,
+                       "passed": ok})
+    return {"groups": groups, "passed": passed, "step": step,
+            "largest_error_over_tolerance": max(g["error"] / g["tolerance"] for g in groups)}
+
+
 @dataclass
 class CheckResult:
     name: str
@@ -303,6 +349,10 @@ def run_all(configs: dict[str, ModelConfig], seeds: list[int]) -> dict:
                 predictor = randomized_predictor(cfg, seed, cls=source_class.predictor_class)
                 linear.append(linearity_check(predictor, cfg, seed))
                 causal.append(reverse_causal_check(predictor, cfg, seed))
+    # the reference that shares no code with the backward, on the seed model's structure at the first seed
+    label, cfg = next(((label, cfg) for label, cfg in configs.items() if label == "seed-structure"),
+                      next(iter(configs.items())))
+    finite = finite_difference_check(cfg, seeds[0]) | {"config": label, "seed": seeds[0]}
     max_err = max(g["rel_err"] for g in groups)
     result = {
         "oracle": {"groups": groups, "max_rel_err": max_err, "passed": max_err <= TOLERANCE,
@@ -315,10 +365,12 @@ def run_all(configs: dict[str, ModelConfig], seeds: list[int]) -> dict:
         "linearity": {"max_rel_err": max(r["max_rel_err"] for r in linear), "passed": all(r["passed"] for r in linear)},
         "reverse_causal": {"nonzero_before": sum(r["nonzero_before"] for r in causal),
                            "passed": all(r["passed"] for r in causal)},
+        "finite_differences": finite,
         "runs": runs,
     }
     result["passed"] = bool(result["oracle"]["passed"] and result["omission"]["passed"] and zero_differs and mutation_caught and streaming_ok
-                            and result["linearity"]["passed"] and result["reverse_causal"]["passed"])
+                            and result["linearity"]["passed"] and result["reverse_causal"]["passed"]
+                            and finite["passed"])
     return result
 
 

@@ -11,9 +11,9 @@ that diverges says so in one line and exits 1, its record holding failure.json.
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import os
+import signal
 import sys
 
 from creditlab import config as config_mod
@@ -26,7 +26,7 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 
 def load_config(args) -> config_mod.Config:
-    return config_mod.load(args.preset, args.overrides)
+    return config_mod.load(args.preset or "tiny", args.overrides)
 
 
 def print_config(cfg: config_mod.Config, stream=None) -> None:
@@ -106,6 +106,10 @@ def cmd_check(args) -> int:
     print(f"streaming == explicit decode:      {verdict(result['streaming']['passed'])}")
     print(f"linearity (max rel err {result['linearity']['max_rel_err']:.1e}):  {verdict(result['linearity']['passed'])}")
     print(f"reverse-causal support:            {verdict(result['reverse_causal']['passed'])}")
+    fd = result["finite_differences"]
+    print(f"native vs finite differences:      {verdict(fd['passed'])} ({len(fd['groups'])} trunk parameters of "
+          f"{fd['config']}, seed {fd['seed']}: each directional derivative against the forward pass's central "
+          f"difference, largest error {fd['largest_error_over_tolerance']:.2f} of its tolerance)")
     print(f"all checks: {verdict(result['passed'])}")
     return 0 if result["passed"] else 1
 
@@ -113,14 +117,14 @@ def cmd_check(args) -> int:
 # ---- train -------------------------------------------------------------------------------------------------
 
 def cmd_train(args) -> int:
-    from creditlab import runtime as rt
-    from creditlab.protocol.records import RecordLock, new_record_dir, write_once
-
     state = raw = trainer = None
     if args.resume:
         record, cfg, raw = _resumable(args)
     else:
-        record, cfg = None, load_config(args)
+        record, cfg = None, load_config(args)  # before importing what training needs: a mistake is said at once
+    from creditlab import runtime as rt
+    from creditlab.protocol.records import RecordLock, new_record_dir, write_once
+
     runtime = rt.resolve(cfg.train)
     writes = runtime.is_main and not args.no_record  # one process writes the record
     lock = RecordLock(record) if record is not None and writes else None
@@ -207,6 +211,11 @@ def _train(args, cfg, runtime, trainer, record) -> int:
         _record_failure(record, trainer, {**exc.details, "error": str(exc)})
         print(f"creditlab: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (main): the user's stop, said in one line
+        _record_failure(record, trainer, {"reason": "interrupted", "error": "stopped by the user"})
+        if runtime.is_main:
+            print(f"creditlab: train stopped: {_train_kept(record, trainer)}", file=sys.stderr)
+        return 130
     except BaseException as exc:
         import traceback
 
@@ -217,6 +226,21 @@ def _train(args, cfg, runtime, trainer, record) -> int:
         print(json.dumps(result) if args.json else
               f"done: loss {result['first_loss']:.4f} -> {result['final_loss']:.4f} over {len(rows)} updates")
     return 0
+
+
+def _train_kept(record, trainer) -> str:
+    """What a stopped `train` keeps and how to go on, in one clause."""
+    if record is None:
+        return f"nothing was recorded (--no-record), {trainer.update_index} updates done"
+    from creditlab.train import checkpoints
+
+    found = checkpoints(record)
+    if not found:
+        return (f"kept the rows of {trainer.update_index} updates in {record} but no checkpoint "
+                f"(train.checkpoint_every=0), so it cannot be resumed; start it again with train.checkpoint_every=N")
+    update = int(found[-1].stem.rpartition("_")[2])
+    return (f"kept {record} with its checkpoint at update {update}; go on with: creditlab train --resume "
+            f"{_quote(record)}")
 
 
 def _record_failure(record, trainer, details: dict) -> None:
@@ -268,8 +292,9 @@ def _resumable(args):
     from creditlab.train import checkpoints
 
     record = Path(args.resume)
-    if args.overrides:
-        raise config_mod.ConfigError("--resume continues a run exactly as configured; drop --set")
+    given = [flag for flag, value in (("--preset", args.preset), ("--set", args.overrides)) if value]
+    if given:
+        raise config_mod.ConfigError(f"--resume continues a run exactly as configured; drop {', '.join(given)}")
     if args.no_record:
         raise config_mod.ConfigError("--resume continues a record, which --no-record would leave as it is; drop "
                                      "--no-record")
@@ -492,7 +517,10 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command; given the `command` a command line names, the commands that live beside their
+    subsystems (data, demo, report, admit, screen, ceiling) are registered only where that one is among them, so
+    that a command does not import what only the others need (a config error is said before torch is imported)."""
     parser = Parser(prog="creditlab", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show the traceback of a user error too")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -518,7 +546,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-record", action="store_true", help="do not write runs/<id>/")
     p.add_argument("--resume", metavar="RUN_DIR", default=None,
                    help="continue an unfinished run from its newest checkpoint (train.checkpoint_every > 0)")
-    p.set_defaults(func=cmd_train)
+    p.set_defaults(func=cmd_train, preset=None)  # None: not given (tiny), so that --resume can refuse it
 
     p = sub.add_parser("compare", help="competence test and verdict: arms from one start on one data order, DEV "
                                        "loss, fair floors, native's budgets, speedup with a 95%% interval")
@@ -555,40 +583,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_heldout)
 
-    for register in _extensions():
-        register(sub, _config_args)
+    own = {a.dest for a in sub._choices_actions}  # noqa: SLF001 - the commands defined above
+    for names, register in _extensions():
+        if command is None or command in names or (command not in own and command not in EXTENSION_COMMANDS):
+            register(sub, _config_args)
     return parser
 
 
+# The commands that live beside the subsystem they drive, and where each registers its parser.
+EXTENSIONS = ((("data",), "creditlab.data.cli"), (("demo",), "creditlab.demo"), (("report",), "creditlab.report"),
+              (("admit", "screen"), "creditlab.protocol.cli"), (("ceiling",), "creditlab.ceiling"))
+EXTENSION_COMMANDS = {name for names, _ in EXTENSIONS for name in names}
+
+
 def _extensions():
-    """Commands that live beside the subsystem they drive."""
-    registers = []
-    try:
-        from creditlab.data.cli import add_commands
-        registers.append(lambda sub, _: add_commands(sub))
-    except ImportError:
-        pass
-    from creditlab.demo import add_commands as demo_commands
-    from creditlab.report import add_commands as report_commands
+    import importlib
 
-    registers += [demo_commands, report_commands]
-    from creditlab.protocol.cli import add_commands as protocol_commands  # admit, screen
-
-    registers.append(protocol_commands)
-    from creditlab.ceiling import add_commands as ceiling_commands  # ceiling
-
-    registers.append(ceiling_commands)
-    return registers
+    for names, module in EXTENSIONS:
+        def register(sub, config_args, module=module):
+            add = importlib.import_module(module).add_commands
+            return add(sub) if module == "creditlab.data.cli" else add(sub, config_args)
+        yield names, register
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    words = [w for w in (sys.argv[1:] if argv is None else argv) if not w.startswith("-")]
+    parser = build_parser(words[0] if words else None)
     args = parser.parse_args(argv)
     # A command that runs other commands (`demo`) does so through these, not by importing this module.
     args.run_command = main
-    args.commands = set(parser._subparsers._group_actions[0].choices)  # noqa: SLF001 - the registered commands
+    # every command there is (a command that runs others, `demo`, reaches those not registered for this line)
+    args.commands = set(parser._subparsers._group_actions[0].choices) | EXTENSION_COMMANDS  # noqa: SLF001
+    previous = signal.signal(signal.SIGTERM, _terminate) if _main_thread() else None
     try:
         return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM: a command without a stop of its own says what is left
+        if args.debug:
+            raise
+        print(f"creditlab: {stopped(args)}", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # stdout's reader has gone (`creditlab flops | head`): Python's own note on SIGPIPE, stdout pointed at
         # devnull so that the exit's flush does not fail again
@@ -600,26 +633,40 @@ def main(argv: list[str] | None = None) -> int:
             raise  # an internal error keeps its traceback (exit 1)
         print(f"creditlab: error: {message}", file=sys.stderr)
         return 2
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
-# A full disk, or a folder that cannot be written: the user's to fix, whatever the code was writing.
-STORAGE_ERRNOS = {errno.ENOSPC: "the disk is full; free space there or choose another folder",
-                  errno.EDQUOT: "the disk quota is exhausted; free space there or choose another folder",
-                  errno.EROFS: "the file system is read-only; choose a writable folder",
-                  errno.EACCES: "permission denied; make it writable or choose another folder",
-                  errno.EPERM: "permission denied; make it writable or choose another folder",
-                  errno.ENOTDIR: "a part of that path is a file, not a folder; choose a folder",
-                  errno.EEXIST: "a file is in the way of a folder to be made there; choose another folder"}
+def _terminate(signum, frame):
+    """SIGTERM as Ctrl-C: every command stops the same way, saying what it kept."""
+    raise KeyboardInterrupt
+
+
+def _main_thread() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()
+
+
+def stopped(args) -> str:
+    """What a stopped command leaves, in one line."""
+    if args.command == "data" and getattr(args, "data_command", None) == "prepare":
+        out = getattr(args, "out", None)
+        return (f"data prepare stopped: {out} is as it was (the partial work in {out}/.staging goes with the next "
+                f"prepare); what was fetched and extracted stays in the cache; run the same command again")
+    return f"{args.command} stopped; nothing it had not finished was kept"
 
 
 def user_error(exc: BaseException) -> str | None:
     """The one line that says what the user must fix, or None for an internal error. User errors are the
     UserError family (configuration, records), the data errors (creditlab.data.DATA_ERRORS), and storage
     errors; for `train`, the folder is train.out_dir."""
+    if isinstance(exc, config_mod.UserError):  # before importing what the other kinds need
+        return str(exc)
     from creditlab.data import DATA_ERRORS
-    from creditlab.protocol.records import RecordError
+    from creditlab.protocol.records import STORAGE_ERRNOS, RecordError
 
-    if isinstance(exc, (config_mod.UserError, RecordError, *DATA_ERRORS)):
+    if isinstance(exc, (RecordError, *DATA_ERRORS)):
         return str(exc)
     if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
         where = exc.filename or "a file"

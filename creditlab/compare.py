@@ -47,7 +47,7 @@ from creditlab import config as config_mod
 from creditlab import verdict as vd
 from creditlab.arms import ArmSpec, Role, arm_config, parse_arms, resolve_arms
 from creditlab.experiment import Experiment
-from creditlab.protocol.records import append_jsonl, read_json, read_jsonl, repair_jsonl, write_once
+from creditlab.protocol.records import append_jsonl, make_folder, read_json, read_jsonl, repair_jsonl, write_once
 
 FORMAT = "creditlab-compare/2"
 
@@ -331,9 +331,14 @@ class CompareRun:
             raise config_mod.ConfigError("compare runs in one process (its arms share a GPU's clock); "
                                          "run it without torchrun")
         labels = [s.label for s in self.specs]
-        for spec in self.specs:
-            for key in self.keys():
-                self.config_of(spec, key)  # every arm's config must be valid
+        for spec in self.specs:  # every arm's config must be valid; a problem names the arm
+            role = self.roles[spec.label]
+            what = {"budget": "a native budget, compare.native_budgets", "floor": "a fair floor, compare.floors"}
+            try:
+                self.config_of(spec, self.keys()[0])
+            except config_mod.ConfigError as exc:
+                added = f" ({what[role.added]})" if role.added else ""
+                raise config_mod.ConfigError(f"arm {spec.label}{added}: {exc}") from None
         if any(s.arm.budgeted for s in self.specs):
             ref = self.base.compare.reference
             if ref == "native" or any(s.label == ref and s.arm.budgeted for s in self.specs):
@@ -354,7 +359,7 @@ class CompareRun:
 
     def start(self) -> None:
         """Make the comparison's folder and write what it will run (the experiment, its plan)."""
-        self.out.mkdir(parents=True, exist_ok=False)
+        make_folder(self.out, "--out")
         write_once(self.out / "experiment.toml", self.experiment.to_toml())
         write_once(self.out / "plan.json", self.plan())
 

@@ -1,7 +1,7 @@
 """Typed configuration: dataclasses, presets, and `section.key=value` overrides.
 
 One `Config` holds every knob of a run. Presets fix the few numbers that matter (the `seed` preset is the
-d8/w512 model of the design brief); `--set section.key=value` changes any field and an unknown key or a value
+d8/w512 decoder); `--set section.key=value` changes any field and an unknown key or a value
 of the wrong type is an error that lists what is valid.
 """
 
@@ -352,6 +352,11 @@ def validate(cfg: Config) -> None:
     for key in ("warmup", "eval_every", "eval_tokens", "checkpoint_every", "keep_checkpoints", "stall_updates"):
         if getattr(t, key) < 0:
             problems.append(f"train.{key} must be >= 0, got {getattr(t, key)}")
+    if t.warmup >= t.updates >= 1:
+        problems.append(f"train.warmup ({t.warmup}) must be less than train.updates ({t.updates}): the learning rate "
+                        f"would never leave its warmup; lower train.warmup")
+    if not 0 <= t.seed < 2**63:
+        problems.append(f"train.seed must lie in [0, 2**63), got {t.seed}")
     problems += range_problems(t, ("lr_muon", "lr_embed", "lr_head", "lr_scalar"), 0.0)
     if cfg.compare.align_every < 0:
         problems.append(f"compare.align_every must be >= 0, got {cfg.compare.align_every}")
@@ -378,6 +383,23 @@ def validate(cfg: Config) -> None:
         problems.append(f"train.cooldown_frac must lie in [0, 1], got {t.cooldown_frac!r}")
     if not t.out_dir.strip():
         problems.append("train.out_dir is empty; name the folder for run records (default runs)")
+    s = cfg.screen
+    if s.updates < 1:
+        problems.append(f"screen.updates must be positive, got {s.updates}")
+    problems += range_problems(s, ("cycle_gate",), 0.0, low_open=True)
+    problems += range_problems(s, ("peak_gate_mib", "cap_gpu_s", "memory_cap_mib"), 0.0)
+    if cfg.credit.teacher_every < 0:
+        problems.append(f"credit.teacher_every must be >= 0, got {cfg.credit.teacher_every}")
+    if problems:  # said before the source's own checks, which import it (and torch): a plain mistake is quick
+        raise ConfigError("invalid config: " + "; ".join(problems))
+    problems += source_problems(cfg)
+    if problems:
+        raise ConfigError("invalid config: " + "; ".join(problems))
+
+
+def source_problems(cfg: Config) -> list[str]:
+    """What the credit source named by cfg (and its schedule) cannot run with."""
+    problems = []
     c = cfg.credit  # the settings of one source are its own to check (CreditSource.config_problems)
     if c.source not in registry.SOURCES:
         problems.append(f"credit.source: unknown credit source {c.source!r}; valid: {', '.join(registry.SOURCES)}")
@@ -392,12 +414,8 @@ def validate(cfg: Config) -> None:
             if c.schedule.startswith("adaptive") and not source.fits_with(cfg):
                 problems.append(f"credit.schedule={c.schedule}: adapts to the fit measured on teacher updates, and "
                                 f"credit.source={c.source} fits nothing; use fixed:K or warmup:N,K")
-    if c.teacher_every < 0:
-        problems.append(f"credit.teacher_every must be >= 0, got {c.teacher_every}")
-    s = cfg.screen
-    if s.updates < 1:
-        problems.append(f"screen.updates must be positive, got {s.updates}")
-    problems += range_problems(s, ("cycle_gate",), 0.0, low_open=True)
-    problems += range_problems(s, ("peak_gate_mib", "cap_gpu_s", "memory_cap_mib"), 0.0)
-    if problems:
-        raise ConfigError("invalid config: " + "; ".join(problems))
+            if source.fits_with(cfg) and c.schedule.strip() == "fixed" and c.teacher_every == 0:
+                problems.append(f"credit.source={c.source} with credit.teacher_every=0 never has a teacher update, so "
+                                f"it never fits and injects nothing; give credit.teacher_every >= 1, or "
+                                f"credit.schedule=never to run its synthetic step unfitted on purpose")
+    return problems

@@ -45,7 +45,12 @@ def load_run(folder: str | Path) -> dict:
 
 
 def status(run: dict) -> str:
-    return "failed" if run["failure"] else "finished" if run["result"] else "unfinished"
+    if run["failure"]:
+        return "failed"
+    if not run["rows"]:  # a finished run has rows: one without is no run to report, whatever else is there
+        return "empty: it holds no update" + (" (rows.jsonl has none, though result.json is there: the record "
+                                              "is damaged)" if run["result"] else "")
+    return "finished" if run["result"] else "unfinished"
 
 
 def label(run: dict) -> str:

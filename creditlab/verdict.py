@@ -1,7 +1,7 @@
 """The verdict's arithmetic: intervals over seeds, native's loss-against-GPU-seconds curve, speedups, words.
 
 Pure numbers, no tensors and no files, so that every rule a comparison's report states is a function a test can
-pin. The rules (DESIGN §11):
+pin. The rules:
 
 * **Paired by seed.** Arms of one seed share the initialization and the data order, so a difference between two
   arms is taken per seed, then averaged over seeds. Repeats of one seed (the same seed run again, which differs

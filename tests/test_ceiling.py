@@ -20,7 +20,7 @@ MODEL = seed_structure()
 OVERRIDES = [f"model.{k}={v}" for k, v in vars(MODEL).items()] + [
     "train.device=cpu", "train.compile=off", "train.dtype=float64", "train.micro_batch=2", "credit.rank=4",
     "credit.source=learned"]
-TINY = ["--set", "model.vocab_size=97", "--set", "train.device=cpu", "--set", "train.eval_tokens=0"]
+TINY = ["--set", "model.vocab_size=97", "--set", "train.warmup=0", "--set", "train.device=cpu", "--set", "train.eval_tokens=0"]
 
 
 def _setup(seed: int = 3):

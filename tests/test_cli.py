@@ -13,13 +13,13 @@ import pytest
 
 from creditlab import cli, config
 
-TRAIN = ["train", "--preset", "tiny", "--set", "train.updates=3", "--set", "model.vocab_size=97",
+TRAIN = ["train", "--preset", "tiny", "--set", "train.updates=3", "--set", "train.warmup=0", "--set", "model.vocab_size=97",
          "--set", "train.device=cpu"]
 
 
 def test_train_tiny_without_record(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    assert cli.main(["train", "--preset", "tiny", "--set", "train.updates=3", "--set", "model.vocab_size=97",
+    assert cli.main(["train", "--preset", "tiny", "--set", "train.updates=3", "--set", "train.warmup=0", "--set", "model.vocab_size=97",
                      "--no-record"]) == 0
     out = capsys.readouterr().out
     assert "done: loss" in out and "over 3 updates" in out
@@ -45,7 +45,7 @@ def test_train_writes_a_record(tmp_path, capsys):
     (record,) = list(runs.iterdir())
     assert {p.name for p in record.iterdir()} >= {"config.json", "env.json", "rows.jsonl", "result.json"}
     cfg = config.Config.from_dict(json.loads((record / "config.json").read_text()))
-    assert cfg == config.load("tiny", ["train.updates=3", "model.vocab_size=97", "train.device=cpu",
+    assert cfg == config.load("tiny", ["train.updates=3", "train.warmup=0", "model.vocab_size=97", "train.device=cpu",
                                        f"train.out_dir={runs}"])
     rows = [json.loads(line) for line in (record / "rows.jsonl").read_text().splitlines() if line.strip()]
     assert [r["update"] for r in rows] == [0, 1, 2]

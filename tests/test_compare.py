@@ -21,7 +21,7 @@ from tests.test_train import ListLoader, randomize
 from tests.tiny_corpus import VOCAB, prepare_corpus
 
 CPU = ["train.device=cpu", "train.compile=off"]
-SMALL = [f"model.vocab_size={VOCAB}", "model.seq_len=32", "model.layers=2", "model.value_embeds=1",
+SMALL = [f"model.vocab_size={VOCAB}", "train.warmup=0", "model.seq_len=32", "model.layers=2", "model.value_embeds=1",
          "train.micro_batch=4", "train.grad_accum=2", "train.warmup=0"] + CPU
 NO_BUDGETS = ["compare.native_budgets="]
 
@@ -282,14 +282,14 @@ def _fake_compare(folder, seed: int, overrides: list[str], device: str = "cpu"):
 def test_merge_ignores_cosmetic_overrides_and_refuses_the_rest(tmp_path):
     from creditlab.compare import merge
 
-    a = _fake_compare(tmp_path / "a", 1, ["train.updates=3"])
-    b = _fake_compare(tmp_path / "b", 2, ["train.updates=3", "train.keep_checkpoints=0", "train.log_every=5",
-                                          ])
+    a = _fake_compare(tmp_path / "a", 1, ["train.updates=3", "train.warmup=0"])
+    b = _fake_compare(tmp_path / "b", 2, ["train.updates=3", "train.warmup=0", "train.keep_checkpoints=0",
+                                          "train.log_every=5"])
     assert merge([a, b], tmp_path / "ab")["seeds"] == [1, 2]
-    c = _fake_compare(tmp_path / "c", 3, ["train.updates=4"])
+    c = _fake_compare(tmp_path / "c", 3, ["train.updates=4", "train.warmup=0"])
     with pytest.raises(config.ConfigError, match=r"its settings differ .*\(train.updates\)"):
         merge([a, c], tmp_path / "ac")
-    d = _fake_compare(tmp_path / "d", 4, ["train.updates=3"], device="NVIDIA H200")
+    d = _fake_compare(tmp_path / "d", 4, ["train.updates=3", "train.warmup=0"], device="NVIDIA H200")
     with pytest.raises(config.UserError, match="different devices"):
         merge([a, d], tmp_path / "ad")
 
@@ -503,7 +503,7 @@ def test_the_experiment_file_round_trips_and_runs_as_the_flags_do(tmp_path):
     from creditlab import experiment
 
     exp = Experiment("tiny", ["native", "learned@credit.schedule=warmup:2,4"], [3, 4], repeat=2,
-                     overrides=["train.updates=3", "compare.floors=false", "train.lr_muon=0.02",
+                     overrides=["train.updates=3", "train.warmup=0", "compare.floors=false", "train.lr_muon=0.02",
                                 "data.dir=my data/x\"y"], out="runs/x")
     (tmp_path / "e.toml").write_text(exp.to_toml())
     loaded = experiment.load(tmp_path / "e.toml")  # grouped by section: the same overrides, the same config

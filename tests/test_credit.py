@@ -429,7 +429,7 @@ def test_teacher_fitting_cuts_heldout_correction_error():
 def test_fitted_training_alternates_teacher_and_synthetic_and_checkpoints_the_predictor(tmp_path, name):
     from creditlab.train import Trainer
 
-    cfg = load("tiny", ["model.vocab_size=97", f"credit.source={name}", "train.updates=5", "credit.teacher_every=2"])
+    cfg = load("tiny", ["model.vocab_size=97", f"credit.source={name}", "train.updates=5", "train.warmup=0", "credit.teacher_every=2"])
     loader = SyntheticLoader(97, cfg.train.micro_batch, cfg.model.seq_len, seed=0)
     trainer = Trainer(cfg, loader=loader)
     rows = trainer.run(progress=False)
@@ -649,7 +649,7 @@ def test_fitted_sources_train_the_same_through_the_compiler(name, fit, monkeypat
     micro-batches, the fits' autograd Functions)."""
     # The op-by-op modules: with the fused ones (test below) the compiled step can differ from the eager one in the
     # last bit, and Muon's orthogonalization grows that to ~1e-3 within five updates.
-    rows, _, params = train_eager_and_compiled(["model.vocab_size=97", f"credit.source={name}", "train.updates=5",
+    rows, _, params = train_eager_and_compiled(["model.vocab_size=97", f"credit.source={name}", "train.updates=5", "train.warmup=0",
                                                 "credit.teacher_every=2", f"credit.fit={fit}"], monkeypatch,
                                                op_by_op=True)
     assert [r.kind for r in rows] == ["teacher", "synthetic", "teacher", "synthetic", "teacher"]
@@ -661,8 +661,32 @@ def test_the_fused_modules_train_the_same_through_the_compiler(monkeypatch):
     the compiler, in teacher (exact) and synthetic (omitting) micro-batches of the learned source. Three updates:
     the compiled backward may sum a gradient's contributions in another order than the eager engine, and from the
     fourth update on Muon grows that last-bit difference past the tolerance."""
-    rows, _, _ = train_eager_and_compiled(["model.vocab_size=97", "credit.source=learned", "train.updates=3",
+    rows, _, _ = train_eager_and_compiled(["model.vocab_size=97", "credit.source=learned", "train.updates=3", "train.warmup=0",
                                            "credit.teacher_every=2"], monkeypatch)
     assert len(rows) == 3
 
 
+
+
+def test_native_gradients_match_finite_differences_of_the_forward_and_a_detached_branch_fails(monkeypatch):
+    """The reference that shares no code with the backward: every trunk parameter's directional derivative
+    against the forward pass's central differences. A branch input the model itself detaches (in every source
+    alike) passes the oracle's comparisons with native; here it fails."""
+    cfg = dataclasses.replace(SMALL, layers=2, value_embeds=1)
+    result = checks.finite_difference_check(cfg, 0)
+    assert result["passed"] and len(result["groups"]) == len(list(checks.randomized_model(cfg, 0).trunk_parameters()))
+    from creditlab import model as model_mod
+
+    norm = model_mod.Block.norm
+    calls = {"n": 0}
+
+    def stray_detach(self, x):  # the first attention branch's input detached, for every use of it
+        calls["n"] += 1
+        n = norm(self, x)
+        return n.detach() if self.index == 0 and calls["n"] % 2 == 1 else n
+
+    monkeypatch.setattr(model_mod.Block, "norm", stray_detach)
+    wrong = checks.finite_difference_check(cfg, 0)
+    assert not wrong["passed"]
+    failed = {g["name"] for g in wrong["groups"] if not g["passed"]}
+    assert "embed.weight" in failed and not any(n.startswith("blocks.1.") for n in failed)  # only upstream of it

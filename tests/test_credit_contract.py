@@ -14,7 +14,7 @@ from creditlab import cli
 from creditlab.credit import registry
 
 README = Path(__file__).resolve().parents[1] / "creditlab" / "credit" / "README.md"
-CPU = ["train.device=cpu", "train.compile=off", "model.vocab_size=97", "model.seq_len=16", "model.layers=2",
+CPU = ["train.device=cpu", "train.warmup=0", "train.compile=off", "model.vocab_size=97", "model.seq_len=16", "model.layers=2",
        "model.value_embeds=1", "train.micro_batch=2", "train.grad_accum=1", "train.eval_tokens=128"]
 
 
@@ -56,4 +56,4 @@ def test_the_arms_benchmark_and_the_screen_take_a_registered_source(shrink):
     assert load("arms").overrides_of("shrink") == ["credit.source=shrink"]
     cfg = config.load("tiny", ["credit.source=shrink"])
     synthetic = screen.arm_config(cfg, "synthetic", screen.synthetic_source_of(cfg))
-    assert synthetic.credit.source == "shrink" and synthetic.credit.teacher_every == 0
+    assert synthetic.credit.source == "shrink" and synthetic.credit.schedule == "never"

@@ -188,6 +188,9 @@ def test_parse_fractions() -> None:
         parse_fractions("90/10")
     with pytest.raises(ValueError):
         parse_fractions("a/b/c")
+    with pytest.raises(ValueError, match="sums to 150: give percentages summing to 100"):
+        parse_fractions("50/50/50")  # refused, not renormalized to a third each
+    assert parse_fractions("1/0/0") == (1.0, 0.0, 0.0)  # fractions summing to 1
 
 
 def test_document_group_is_the_split_key() -> None:

@@ -29,7 +29,7 @@ def _run_train(out: Path, processes: int, overrides: list[str]) -> subprocess.Co
 
 @pytest.mark.parametrize("source", ["exact", pytest.param("learned", marks=pytest.mark.slow)])
 def test_torchrun_two_processes_train(tmp_path, source):
-    out = _run_train(tmp_path, 2, ["model.vocab_size=97", "train.updates=3", "credit.teacher_every=2",
+    out = _run_train(tmp_path, 2, ["model.vocab_size=97", "train.updates=3", "train.warmup=0", "credit.teacher_every=2",
                                    f"credit.source={source}"])
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["updates"] == 3 and result["final_loss"] < result["first_loss"]
@@ -61,7 +61,7 @@ def test_two_processes_equal_one_with_the_doubled_micro_batch(tmp_path, source):
     data_dir = tmp_path / "data"
     prepare_corpus(tmp_path / "corpus", data_dir)
     common = [f"data.dir={data_dir}", "data.source=shards", f"model.vocab_size={VOCAB}", "model.seq_len=16",
-              "train.dtype=float64", "train.updates=3", "train.checkpoint_every=3", "train.grad_accum=2",
+              "train.dtype=float64", "train.updates=3", "train.warmup=0", "train.checkpoint_every=3", "train.grad_accum=2",
               f"credit.source={source}"]
     two = _final_model(tmp_path, "two", 2, common + ["train.micro_batch=2"])
     one = _final_model(tmp_path, "one", 1, common + ["train.micro_batch=4"])

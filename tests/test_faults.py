@@ -23,7 +23,7 @@ from creditlab.report import load_run
 from creditlab.train import Trainer
 from tiny_corpus import VOCAB, prepare_corpus
 
-TINY = ["--preset", "tiny", "--no-progress", "--set", "train.eval_tokens=0"]
+TINY = ["--preset", "tiny", "--no-progress", "--set", "train.eval_tokens=0", "--set", "train.warmup=0"]
 
 
 def train(tmp_path, *sets, vocab=97, updates=5, out=None):

@@ -240,7 +240,7 @@ def test_fold_takes_the_first_estimate_whole_then_averages_and_skips_empty_ones(
 def test_fdfa_trains_end_to_end_and_checkpoints(tmp_path):
     """Teacher and synthetic updates alternate through the Trainer, the operators move off zero, the fit report
     is finite once the corrections are non-zero, and operators and tangent stream survive a checkpoint."""
-    overrides = ["model.vocab_size=97", "credit.source=fdfa", "train.updates=5", "credit.teacher_every=2"]
+    overrides = ["model.vocab_size=97", "credit.source=fdfa", "train.updates=5", "train.warmup=0", "credit.teacher_every=2"]
     cfg = load("tiny", overrides)
     trainer = Trainer(cfg, loader=SyntheticLoader(97, cfg.train.micro_batch, cfg.model.seq_len, seed=0))
     flags = _fused_flags(trainer.model)

@@ -253,7 +253,7 @@ def _upcast_by_cuda_autocast(fn, *args) -> list[str]:
 def test_no_forward_op_is_upcast_by_cuda_autocast(source):
     from creditlab.credit import make_source
 
-    cfg = config.load("tiny", [f"credit.source={source}", "credit.teacher_every=0"])
+    cfg = config.load("tiny", [f"credit.source={source}", "credit.schedule=never"])
     model = GPT(cfg.model).to(torch.bfloat16)
     credit_source = make_source(cfg).to(torch.bfloat16)
     idx = torch.randint(0, cfg.model.vocab_size, (2, 16))

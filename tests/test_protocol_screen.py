@@ -89,7 +89,7 @@ def test_arm_configs_and_the_candidate_source():
     assert scr.synthetic_source_of(config.load("tiny", ["credit.source=zero"])) == "zero"
     native, synthetic = (scr.arm_config(cfg, arm, "learned") for arm in scr.ARMS)
     assert native.credit.source == "exact" and synthetic.credit.source == "learned"
-    assert synthetic.credit.teacher_every == 0
+    assert synthetic.credit.schedule == "never"  # synthetic at every update: the screen times the synthetic step
     for c in (native, synthetic):
         assert c.train.seed == cfg.train.seed == 42261 and c.train.updates == cfg.screen.updates
     assert native.train == synthetic.train and native.model == synthetic.model  # same optimizers, same model

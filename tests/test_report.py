@@ -7,7 +7,7 @@ from creditlab.report import load_run, report
 
 
 def _train(tmp_path, *extra):
-    code = cli.main(["train", "--preset", "tiny", "--set", "model.vocab_size=97", "--set", "train.updates=5",
+    code = cli.main(["train", "--preset", "tiny", "--set", "model.vocab_size=97", "--set", "train.updates=5", "--set", "train.warmup=0",
                      "--set", "credit.teacher_every=2", "--set", f"train.out_dir={tmp_path}", *extra])
     assert code == 0
     return [p for p in tmp_path.iterdir() if "-train-" in p.name]

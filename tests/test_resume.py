@@ -8,7 +8,7 @@ import torch
 
 from creditlab import cli
 
-ARGS = ["train", "--preset", "tiny", "--set", "model.vocab_size=97", "--set", "train.updates=5",
+ARGS = ["train", "--preset", "tiny", "--set", "model.vocab_size=97", "--set", "train.updates=5", "--set", "train.warmup=0",
         "--set", "train.checkpoint_every=2", "--set", "credit.source=learned", "--set", "credit.teacher_every=2"]
 
 

@@ -14,7 +14,7 @@ from creditlab.model import GPT
 from creditlab.train import Trainer, median_last
 
 CPU = ["train.device=cpu", "train.compile=off"]
-TINY = ["model.vocab_size=97", "model.seq_len=32", "train.micro_batch=8", "train.grad_accum=1"] + CPU
+TINY = ["model.vocab_size=97", "train.warmup=0", "model.seq_len=32", "train.micro_batch=8", "train.grad_accum=1"] + CPU
 
 
 class FixedLoader:
@@ -112,7 +112,7 @@ def test_non_finite_loss_stops_the_run():
 def _ga_trainer(micro_batch: int, grad_accum: int, loader) -> Trainer:
     cfg = config.load("tiny", ["model.vocab_size=97", "model.seq_len=16", "model.width=32", "model.heads=2",
                                "model.mlp_hidden=64", f"train.micro_batch={micro_batch}",
-                               f"train.grad_accum={grad_accum}", "train.dtype=float64", "train.updates=4"] + CPU)
+                               f"train.grad_accum={grad_accum}", "train.dtype=float64", "train.updates=4", "train.warmup=0"] + CPU)
     torch.manual_seed(0)
     model = randomize(GPT(cfg.model).double())
     return Trainer(cfg, model=model, loader=loader)

@@ -32,6 +32,14 @@ class DNISource(FittedSource):
     name, omits = "dni", True
     about = "predicted from each branch's own state, fitted on teacher updates"
 
+    @classmethod
+    def config_problems(cls, cfg: Config) -> list[str]:
+        problems = super().config_problems(cfg)
+        if 2 * cfg.credit.rank > cfg.model.width:
+            problems.append(f"credit.rank={cfg.credit.rank}: dni codes each branch input in 2 * rank directions, at "
+                            f"most model.width={cfg.model.width}; lower credit.rank")
+        return problems
+
     def __init__(self, width: int, branches: int, credit: CreditConfig):
         super().__init__(credit)
         rank = credit.rank

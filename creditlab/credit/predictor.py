@@ -163,6 +163,14 @@ class LearnedCredit(AdjointCredit):
 
 class LearnedSource(FittedSource):
     name, omits = "learned", True
+
+    @classmethod
+    def config_problems(cls, cfg: Config) -> list[str]:
+        problems = super().config_problems(cfg)
+        if cfg.credit.rank > cfg.model.width:
+            problems.append(f"credit.rank ({cfg.credit.rank}) exceeds model.width ({cfg.model.width}): the "
+                            f"projection of the terminal error has at most that many directions; lower credit.rank")
+        return problems
     about = "learned predictor, one exact teacher update in credit.teacher_every"
     predictor_class = Predictor
 

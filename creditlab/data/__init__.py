@@ -6,9 +6,12 @@ describe a prepared folder; `read_split` is the one door to DEV and FINAL_HELDOU
 
 from __future__ import annotations
 
+import shlex
+
 from creditlab.data.ledger import LedgerError, read_split
 from creditlab.data.loader import ShardLoader
-from creditlab.data.prepare import NotPreparedError, PrepareError, info, load_manifest, prepare, verify
+from creditlab.data.prepare import (NotPreparedError, PrepareError, fresh_folder, info, load_manifest, prepare,
+                                    prepare_again, prepare_command, verify)
 from creditlab.data.shards import ShardError, read_shard, write_shard
 from creditlab.data.splits import SPLITS
 from creditlab.data.synthetic import SyntheticLoader
@@ -66,9 +69,9 @@ def _vocab_mismatch(cfg, manifest: dict) -> str:
     message = (f"model.vocab_size is {want} but the data in {data_dir} was prepared with a {tok['kind']} tokenizer "
                f"of {tok['vocab_size']} ids ({tok['vocab_size'] - 1} tokens + separator). Either run with "
                f"`--set model.vocab_size={tok['vocab_size']}`")
-    flags = "--tokenizer gpt2" if want == 50_257 else f"--vocab-size {want}" if want >= 258 else None
+    flags = ("--tokenizer", "gpt2") if want == 50_257 else ("--vocab-size", str(want)) if want >= 258 else None
     if flags is None:
         return message + f" (a byte-level BPE needs at least 258 ids, so no data can be prepared for {want})"
-    other = f"{data_dir.rstrip('/')}-v{want}"
-    return (message + f", or prepare data for this vocabulary: `creditlab data prepare --source {manifest['source']} "
-            f"--out {other} {flags}` and run with `--set data.dir={other}`")
+    other = fresh_folder(data_dir, f"v{want}")
+    return (message + f", or prepare data for this vocabulary: `{prepare_command(manifest['source'], other, *flags)}` "
+            f"and run with `--set data.dir={shlex.quote(other)}`")

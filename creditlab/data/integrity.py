@@ -101,6 +101,7 @@ def check_shards(data_dir: str | os.PathLike, files: list[dict], source: str | N
     """Raise ShardError, naming every bad shard, unless each listed shard has the manifest's SHA256."""
     problems = shard_problems(data_dir, files)
     if problems:
-        again = f" (creditlab data prepare --source {source} --out {data_dir} --force)" if source else ""
+        from creditlab.data.prepare import prepare_again
+
         raise ShardError(f"shards differ from the manifest of {data_dir}: {'; '.join(problems)}; restore them, "
-                         f"or prepare the data again{again}")
+                         f"or {prepare_again(data_dir)}")

@@ -8,6 +8,10 @@ later read under the same admission with another world size is refused too.
 
 Appends are atomic on a local filesystem: one `write` of one line to a file opened in append mode, then flush
 and fsync; the check-then-append of FINAL_HELDOUT runs under an exclusive lock on the ledger file.
+
+Prepared data shared read-only (a common data folder, a read-only mount) keeps its ledger elsewhere: the
+environment variable CREDITLAB_LEDGER names the ledger file to use instead (one file may serve several data
+folders: each entry names its data's manifest SHA256). A read-only data folder without it is refused, saying so.
 """
 
 from __future__ import annotations
@@ -26,7 +30,14 @@ from creditlab.data.shards import read_shard
 from creditlab.data.splits import SPLITS
 
 LEDGER = "ledger.jsonl"
+LEDGER_ENV = "CREDITLAB_LEDGER"
 GUARDED = ("dev", "final_heldout")
+
+
+def ledger_path(data_dir: str | Path) -> Path:
+    """Where the reads of data_dir are recorded: $CREDITLAB_LEDGER if set, else data_dir/ledger.jsonl."""
+    moved = os.environ.get(LEDGER_ENV)
+    return Path(moved).expanduser() if moved else Path(data_dir) / LEDGER
 
 
 class LedgerError(PermissionError):
@@ -51,10 +62,15 @@ def split_tokens(data_dir: str | Path, split: str) -> list[np.ndarray]:
 
 
 def entries(data_dir: str | Path) -> list[dict]:
-    path = Path(data_dir) / LEDGER
+    """The ledger's entries for data_dir's data (a moved ledger may hold other data's entries too)."""
+    path = ledger_path(data_dir)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if os.environ.get(LEDGER_ENV):
+        sha = manifest_sha256(data_dir)
+        rows = [e for e in rows if e.get("manifest_sha256") == sha]
+    return rows
 
 
 def read_split(data_dir: str | Path, split: str, purpose: str | None, admission: str | None = None,
@@ -88,7 +104,15 @@ def read_split(data_dir: str | Path, split: str, purpose: str | None, admission:
         "manifest_sha256": manifest_sha256(data_dir),
     }
     line = (json.dumps(entry, sort_keys=True) + "\n").encode("utf-8")
-    fd = os.open(Path(data_dir) / LEDGER, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    path = ledger_path(data_dir)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as exc:
+        where = f"{LEDGER_ENV}={path}" if os.environ.get(LEDGER_ENV) else f"the data folder {data_dir}"
+        raise LedgerError(f"cannot write the access ledger ({path}: {(exc.strerror or str(exc)).lower()}): every "
+                          f"{'/'.join(GUARDED).upper()} read is recorded, and {where} is not writable; keep the "
+                          f"ledger elsewhere with export {LEDGER_ENV}=<a writable file>, e.g. "
+                          f"export {LEDGER_ENV}=runs/ledger.jsonl") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         if split == "final_heldout":
@@ -108,4 +132,4 @@ def _refuse_second_read(data_dir: str | Path, admission: str | None, rank: int, 
         if e.get("world_size", 1) != world_size or e.get("rank", 0) == rank:
             raise LedgerError(f"FINAL_HELDOUT was already read under admission {key!r} at {e['utc']} "
                               f"(purpose: {e['purpose']!r}); it is read at most once per admission. "
-                              f"See {Path(data_dir) / LEDGER}")
+                              f"See {ledger_path(data_dir)}")

@@ -21,6 +21,7 @@ import heapq
 import json
 import os
 import platform
+import shlex
 import shutil
 import sys
 import time
@@ -58,16 +59,65 @@ class NotPreparedError(FileNotFoundError):
     pass
 
 
+def prepare_command(source: str, out: str | Path, *flags: str) -> str:
+    """A `creditlab data prepare` line to copy and paste: every argument quoted for the shell. Suggestions never
+    carry --force: they prepare into a folder that holds nothing yet, and the user points data.dir at it."""
+    return " ".join(shlex.quote(str(a)) for a in ("creditlab", "data", "prepare", "--source", source, "--out", out,
+                                                    *flags))
+
+
+def recorded_source(data_dir: str | Path) -> str | None:
+    """The source a prepared folder was made from, as its manifest or its run record names it (None: neither
+    readable)."""
+    for name in (MANIFEST, RUN_RECORD):
+        try:
+            source = json.loads((Path(data_dir) / name).read_text()).get("source")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(source, str) and source:
+            return source
+    return None
+
+
+def fresh_folder(data_dir: str | Path, suffix: str) -> str:
+    """A folder beside data_dir that holds nothing yet, for data prepared again or anew."""
+    base = str(data_dir).rstrip("/") or "data"
+    candidate, k = f"{base}-{suffix}", 2
+    while Path(candidate).exists():
+        candidate, k = f"{base}-{suffix}{k}", k + 1
+    return candidate
+
+
+def prepare_again(data_dir: str | Path, why: str = "again") -> str:
+    """How to prepare the data of data_dir again without touching it: its own source into a new folder."""
+    source = recorded_source(data_dir)
+    other = fresh_folder(data_dir, why)
+    if source is None:
+        return (f"prepare it again from its source into a new folder (`creditlab data prepare --source SOURCE --out "
+                f"{shlex.quote(other)}`) and run with `--set data.dir={shlex.quote(other)}`")
+    return (f"prepare it again into a new folder: `{prepare_command(source, other)}`, then run with "
+            f"`--set data.dir={shlex.quote(other)}`")
+
+
 def load_manifest(data_dir: str | Path) -> dict:
+    if not str(data_dir).strip():
+        raise NotPreparedError("data.dir is empty; name the folder `creditlab data prepare --out` wrote, e.g. "
+                               "--set data.dir=data/prose")
     path = Path(data_dir) / MANIFEST
     if Path(data_dir).is_file():
         raise NotPreparedError(f"{data_dir} is a file, not a prepared data folder; give the folder `creditlab data "
                                f"prepare --out` wrote (data.dir)")
     if not path.exists():
         raise NotPreparedError(f"no prepared data in {data_dir} ({MANIFEST} is missing); run "
-                               f"`creditlab data prepare --source {DEFAULT_SOURCE} --out {data_dir}`")
-    return read_json(path, ShardError, f"prepare the data again with `creditlab data prepare ... --out {data_dir} "
-                                       f"--force`")
+                               f"`{prepare_command(DEFAULT_SOURCE, data_dir)}`")
+    manifest = read_json(path, ShardError, prepare_again(data_dir))
+    tokenizer = manifest.get("tokenizer", {}) if isinstance(manifest, dict) else {}
+    file = Path(data_dir) / str(tokenizer.get("file", "tokenizer.json"))
+    if tokenizer.get("sha256") and file.exists() and file_sha256(file) != tokenizer["sha256"]:
+        raise ShardError(f"the tokenizer in {data_dir} ({file.name}) is not the one its {MANIFEST} lists (SHA256 "
+                         f"{file_sha256(file)[:16]}, listed {tokenizer['sha256'][:16]}): the folder mixes two "
+                         f"preparations; {prepare_again(data_dir)}")
+    return manifest
 
 
 def manifest_sha256(data_dir: str | Path) -> str:

@@ -23,16 +23,19 @@ def check_fractions(fractions: Sequence[float]) -> tuple[float, float, float]:
 
 
 def parse_fractions(text: str) -> tuple[float, float, float]:
-    """'90/5/5' or '0.9,0.05,0.05' -> (0.9, 0.05, 0.05)."""
+    """'90/5/5' (percentages, summing to 100) or '0.9,0.05,0.05' (fractions, summing to 1) -> (0.9, 0.05, 0.05).
+    Anything else is refused rather than renormalized: 50/50/50 is a mistake, not a third each."""
     parts = [p for p in text.replace(",", "/").split("/") if p.strip()]
     try:
         values = [float(p) for p in parts]
     except ValueError:
         raise ValueError(f"cannot parse split fractions {text!r}; write e.g. 90/5/5") from None
     total = sum(values)
-    if total <= 0:
-        raise ValueError(f"split fractions {text!r} sum to {total}")
-    return check_fractions([v / total for v in values])
+    for scale in (1.0, 100.0):
+        if abs(total - scale) <= 1e-9 * scale:
+            return check_fractions([v / scale for v in values])
+    raise ValueError(f"--splits {text!r} sums to {total:g}: give percentages summing to 100 (e.g. 90/5/5) or "
+                     f"fractions summing to 1 (e.g. 0.9,0.05,0.05)")
 
 
 def split_of(key: str, fractions: Sequence[float] = DEFAULT_FRACTIONS) -> str:

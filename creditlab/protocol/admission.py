@@ -189,8 +189,9 @@ def _payloads(cfg: Config, root: Path) -> dict[str, tuple[str, bytes]]:
     manifest = manifest_file(cfg)
     if manifest is not None:
         if not manifest.exists():
+            from creditlab.data.prepare import DEFAULT_SOURCE, prepare_command
             raise AdmissionError(f"data.source={cfg.data.source} but {manifest} does not exist; prepare the data "
-                                 f"first (`creditlab data prepare --out {cfg.data.dir}`) or admit with "
+                                 f"first (`{prepare_command(DEFAULT_SOURCE, cfg.data.dir)}`) or admit with "
                                  "--set data.source=synthetic")
         out[MANIFEST_PATH] = ("data_manifest", manifest.read_bytes())
     return out
@@ -203,13 +204,14 @@ def _shards(cfg: Config, manifest_bytes: bytes) -> list[FrozenFile]:
         listed = [f for split in json.loads(manifest_bytes)["splits"].values() for f in split["files"]]
         entries = [FrozenFile(DATA_PREFIX + f["name"], "data_shard", f["sha256"]) for f in listed]
     except (ValueError, KeyError, TypeError, AttributeError):
-        raise AdmissionError(f"{manifest_file(cfg)} is not a data manifest (no splits with files); prepare the "
-                             f"data again (`creditlab data prepare --out {cfg.data.dir} --force`)") from None
+        from creditlab.data.prepare import prepare_again
+        raise AdmissionError(f"{manifest_file(cfg)} is not a data manifest (no splits with files); "
+                             f"{prepare_again(cfg.data.dir)}") from None
     problems = shard_problems(data_dir, listed)
     if problems:
+        from creditlab.data.prepare import prepare_again
         raise AdmissionError(f"the shards in {data_dir} do not match its manifest ({'; '.join(problems)}); "
-                             f"restore them or prepare the data again (`creditlab data prepare --out "
-                             f"{cfg.data.dir} --force`) before admitting")
+                             f"restore them, or {prepare_again(cfg.data.dir)}, before admitting")
     return entries
 
 

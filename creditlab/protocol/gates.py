@@ -1,6 +1,6 @@
 """The resource screen's gates and verdict: pure functions of what the two arms measured.
 
-Four outcomes (design brief section 5), decided in this order, the first that applies wins:
+Four outcomes, decided in this order, the first that applies wins:
 
 1. capacity_miss: an arm ran out of memory, or the synthetic arm's peak allocated memory (the maximum over all
    its completed updates) exceeds `peak_gate_mib`;
@@ -29,7 +29,7 @@ EXIT_REFUSED = 2  # refused before it ran: admission mismatch, verdict already r
 EXIT_INVALID = 6  # the screen's own premises failed (initialization or inputs differ between arms); no verdict
 
 
-WINDOW = 6  # the verdict reads medians of the last six updates of each arm (design brief section 5)
+WINDOW = 6  # the verdict reads medians of the last six updates of each arm (the screen's protocol)
 
 
 def ratio_gate(cycle_gate: float, teacher_every: int) -> float:

@@ -14,6 +14,7 @@ umask, so a record copied or shared reads the same for everyone.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -34,13 +35,41 @@ class RecordExists(RecordError, FileExistsError):
     """A record's file written a second time: records are append-only."""
 
 
+# A full disk, or a folder that cannot be written: the user's to fix, whatever the code was writing.
+STORAGE_ERRNOS = {errno.ENOSPC: "the disk is full; free space there or choose another folder",
+                  errno.EDQUOT: "the disk quota is exhausted; free space there or choose another folder",
+                  errno.EROFS: "the file system is read-only; choose a writable folder",
+                  errno.EACCES: "permission denied; make it writable or choose another folder",
+                  errno.EPERM: "permission denied; make it writable or choose another folder",
+                  errno.ENOTDIR: "a part of that path is a file, not a folder; choose a folder",
+                  errno.EEXIST: "a file is in the way of a folder to be made there; choose another folder",
+                  errno.ENAMETOOLONG: "a name in that path is too long for the file system; choose a shorter one"}
+
+
 def new_run_id(kind: str) -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{kind}-{secrets.token_hex(3)}"
 
 
 def new_record_dir(root: str | os.PathLike, kind: str) -> Path:
     path = Path(root) / new_run_id(kind)
-    path.mkdir(parents=True, exist_ok=False)
+    make_folder(path, "train.out_dir")
+    return path
+
+
+def make_folder(path: str | os.PathLike, setting: str, exist_ok: bool = False) -> Path:
+    """mkdir -p of an output folder; a folder that cannot be made (a pseudo file system, a missing device, a name
+    too long, a file in the way) is the user's to fix: one line naming it and the `setting` that moves it."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=exist_ok)
+    except FileExistsError:
+        if not exist_ok and path.is_dir():
+            raise
+        raise RecordError(f"cannot create {path}: a file is in the way; choose another folder ({setting})") from None
+    except OSError as exc:
+        reason = STORAGE_ERRNOS.get(exc.errno) or f"{(exc.strerror or type(exc).__name__).lower()}; choose a folder " \
+            "that can be made there"
+        raise RecordError(f"cannot create {path}: {reason} ({setting})") from None
     return path
 
 

@@ -3,7 +3,7 @@
 Two arms of `screen.updates` updates each, seed `train.seed`, in one process on one device:
 
 * native: `credit.source=exact`;
-* synthetic: the candidate source with `credit.teacher_every=0` (for `learned`: zero decoders, every predictor
+* synthetic: the candidate source with `credit.schedule=never` (for `learned`: zero decoders, every predictor
   operation executing, no fitting). The candidate is `credit.source` of the config, or `learned` when the
   config says `exact` (the presets do); another source (`zero`, `dfa`, ...) makes a stand-in screen, marked so.
 
@@ -156,7 +156,7 @@ def synthetic_source_of(cfg: Config) -> str:
 def arm_label(arm: str, synthetic_source: str) -> str:
     """The screen's two roles as arms of the one registry (creditlab/arms.py): native backprop, and the synthetic
     source with no teacher update (its predictor never fitted: all its operations, zero decoders)."""
-    return "native" if arm == "native" else f"{synthetic_source}@credit.teacher_every=0"
+    return "native" if arm == "native" else f"{synthetic_source}@credit.schedule=never"
 
 
 def arm_overrides(arm: str, synthetic_source: str) -> list[str]:
@@ -440,7 +440,7 @@ class _Screen:
         self.arms[arm].checks["predictor_unchanged"] = after == before
         if after != before:
             raise IntegrityError("the synthetic arm changed the credit source's parameters: it must not fit "
-                                 "(credit.teacher_every=0)")
+                                 "(credit.schedule=never)")
 
     def _source_checks(self, arm: str, trainer, rec: ArmRecord) -> str | None:
         """For the synthetic arm: its decoders start at zero, and a hash of the source's parameters (to show
@@ -586,7 +586,7 @@ def run_screen(cfg: Config, *, admission: adm_mod.Admission | None = None,
     print(f"screen {record.name}: {mode}"
           + (f" under admission {admission.id[:16]} ({verification.summary()})" if admission else "")
           + (f", retry of {', '.join(a['record_dir'] for a in retry_of)}" if retry_of else "")
-          + f"; device {runtime.device}; arms native (exact) and synthetic ({synthetic_source}, teacher_every=0)"
+          + f"; device {runtime.device}; arms native (exact) and synthetic ({synthetic_source}, schedule never)"
           + (" [stand-in source]" if stand_in else "") + f", interleaved; {cfg.screen.updates} updates each"
           + (f" ({exploratory})" if exploratory and admission is not None else ""),
           file=log, flush=True)

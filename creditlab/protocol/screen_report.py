@@ -90,7 +90,7 @@ def report_markdown(result: dict, decision: Decision | None) -> str:
     init = result.get("identical_init") or {}
     inputs = result.get("identical_inputs") or {}
     lines.append(f"Arms: native (credit.source=exact) and synthetic (credit.source={result['synthetic_source']}, "
-                 f"teacher_every=0, no fitting), interleaved: both resident, one update of each per round, "
+                 f"schedule never, no fitting), interleaved: both resident, one update of each per round, "
                  f"the order rotated each round; seed {result['seed']}; micro {shape['micro_batch']} x T "
                  f"{shape['seq_len']} x GA {shape['grad_accum']}; {result['updates']} updates each."
                  + (" On CUDA allocator history (allocation stack traces) is recorded for the whole screen, so "
