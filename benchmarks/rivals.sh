@@ -24,6 +24,6 @@ case "$1" in
       --out "$out/merged" ;;
   cost)
     python3 benchmarks/arms.py --out "$2/cost" --updates 12 \
-      --arms native,zero,learned@credit.teacher_every=0,learned,dfa,dfa@credit.dfa_scale=calibrated@credit.teacher_every=0,dfa@credit.dfa_scale=calibrated@credit.teacher_every=1,fdfa@credit.teacher_every=0,fdfa@credit.teacher_every=1,sketch@credit.sketch_rank=16,sketch@credit.sketch_rank=32,sketch@credit.sketch_rank=64 ;;
+      --arms native,zero,learned@credit.schedule=never,learned,dfa,dfa@credit.dfa_scale=calibrated@credit.schedule=never,dfa@credit.dfa_scale=calibrated@credit.teacher_every=1,fdfa@credit.schedule=never,fdfa@credit.teacher_every=1,sketch@credit.sketch_rank=16,sketch@credit.sketch_rank=32,sketch@credit.sketch_rank=64 ;;
   *) echo "usage: $0 run DATA OUT SEED | merge OUT FIT SEED... | cost OUT" >&2; exit 2 ;;
 esac

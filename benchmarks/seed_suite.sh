@@ -31,7 +31,7 @@ python3 "$here/fp8_head.py" --out "$out/fp8_head" 2>&1 | head -8
 python3 "$here/head_loss.py" --out "$out/head_loss" 2>&1 | head -6
 python3 "$here/products.py" --out "$out/products" 2>&1 | tail -9
 python3 "$here/arms.py" --out "$out/arms" --profile native --memory native --updates 16 --arms \
-  native,zero,learned@credit.teacher_every=0,learned@credit.teacher_every=0@credit.materialized=true,learned@credit.teacher_every=1,learned \
+  native,zero,learned@credit.schedule=never,learned@credit.schedule=never@credit.materialized=true,learned@credit.teacher_every=1,learned \
   2>&1 | grep -v "^update" | tail -20
 python3 "$here/targets.py" "$out/arms/arms.json" --out "$out/arms/targets.md"
 python3 "$here/kept.py" --out "$out/kept" 2>&1 | head -16

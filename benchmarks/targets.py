@@ -64,7 +64,7 @@ def _row(target: Target, last_six: float | None = None, last_six_text: str = "-"
 
 # The arms the targets read, by their registry labels (results written before the one registry named them
 # `learned` and `teacher`, and read the same)
-LABELS = {"learned@credit.teacher_every=0": "learned", "learned@credit.teacher_every=1": "teacher"}
+LABELS = {"learned@credit.schedule=never": "learned", "learned@credit.teacher_every=1": "teacher"}
 
 
 def evaluate(results: list[dict]) -> list[dict]:
