@@ -205,7 +205,7 @@ def plot_host_lead(result_json: Path, out: Path, name: str, skip: int = 2) -> Pa
 
 
 def plot_screens(records: Path, out: Path) -> Path:
-    screens = sorted(p for p in records.iterdir() if (p / "rows.jsonl").exists())
+    screens = sorted(p for p in records.iterdir() if p.is_dir() and is_stored(p / "rows.jsonl"))  # a record packed too
     columns = min(4, len(screens))
     rows_of_panels = -(-len(screens) // columns)
     fig, axes = plt.subplots(rows_of_panels, columns, figsize=(4.2 * columns, 3.6 * rows_of_panels), sharey=True,
