@@ -71,7 +71,53 @@ class UpdateRow:
         return " | ".join(parts)
 
 
+class DoesNotFit(UserError):
+    """A model and micro-batch whose estimated memory exceeds what the device has free."""
+
+
+def memory_estimate(cfg: Config, runtime: rt.Runtime) -> tuple[int, int]:
+    """(parameters, estimated bytes) of a training step, without allocating anything: the parameters (built on
+    the meta device) with their gradients and two optimizer buffers each, and one micro-batch's activations. An
+    estimate, not a bound: per token and layer the backward keeps about twelve widths (block inputs, norms, Q/K/V,
+    attention output, projections) and two MLP hidden widths, and the loss one chunk of logits."""
+    with torch.device("meta"):
+        params = sum(p.numel() for p in GPT(cfg.model).parameters())
+    m, t = cfg.model, cfg.train
+    param_bytes = runtime.param_dtype.itemsize
+    activation_bytes = (runtime.autocast_dtype or runtime.param_dtype).itemsize
+    tokens = t.micro_batch * m.seq_len
+    activations = tokens * m.layers * (12 * m.width + 2 * m.mlp_hidden) * activation_bytes
+    logits = min(t.loss_chunk, tokens) * m.vocab_size * 4
+    return params, params * (2 * param_bytes + 8) + activations + logits
+
+
+def free_memory(runtime: rt.Runtime) -> int | None:
+    """Bytes free on the run's device now (CUDA: the driver's count; CPU: MemAvailable), or None if unknown."""
+    if runtime.is_cuda:
+        return torch.cuda.mem_get_info(runtime.device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def refuse_what_cannot_fit(cfg: Config, runtime: rt.Runtime) -> None:
+    params, need = memory_estimate(cfg, runtime)
+    free = free_memory(runtime)
+    if free is not None and need > free:
+        where = "GPU" if runtime.is_cuda else "machine"
+        raise DoesNotFit(
+            f"this model does not fit: {params:,} parameters with their gradients and optimizer state and one "
+            f"micro-batch's activations need about {need / 2**30:,.1f} GiB (an estimate), and the {where} has "
+            f"{free / 2**30:,.1f} GiB free; lower model.width, model.layers, model.mlp_hidden or train.micro_batch")
+
+
 def build_model(cfg: Config, runtime: rt.Runtime, seed: int | None = None) -> GPT:
+    refuse_what_cannot_fit(cfg, runtime)
     torch.manual_seed(cfg.train.seed if seed is None else seed)
     return GPT(cfg.model).to(device=runtime.device, dtype=runtime.param_dtype)
 

@@ -1,4 +1,4 @@
-"""The fault table (README.md, "Faults"), one test per row: what the user sees, the exit code, what is kept.
+"""The fault table (docs/faults.md), one test per row: what the user sees, the exit code, what is kept.
 
 User errors end in one line on stderr and exit 2; a run's own failure (divergence) in one line and exit 1;
 an internal error keeps its traceback."""
@@ -366,19 +366,19 @@ def test_report_of_a_folder_that_is_no_record(tmp_path, capsys):
     one_error_line(capsys, f"{tmp_path} has no rows.jsonl: not a run record")
 
 
-def test_every_row_of_the_readme_fault_table_is_a_test_here():
+def test_every_row_of_the_fault_table_is_a_test():
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    table = readme[readme.index("## Faults"):]
-    table = table[:table.index("\n## ")]
-    from tests import test_compare  # the comparison's faults are tested beside the comparison
+    from tests import test_compare, test_credit, test_user_mistakes  # faults tested beside their behaviour
 
-    named = re.findall(r"\| `(test_\w+)` \|$", table, flags=re.M)
-    assert len(named) == table.count("\n| ") - 1  # every row but the header names a test
-    found = {**vars(test_compare), **globals()}
-    assert named and all(callable(found.get(name)) for name in named), [n for n in named if n not in found]
+    page = (Path(__file__).resolve().parents[1] / "docs" / "faults.md").read_text()
+    rows = [line for line in page.splitlines() if line.startswith("| ") and not line.startswith("| case |")]
+    named = [re.search(r"\| `(test_\w+)` \|$", row) for row in rows]
+    assert rows and all(named), [row for row, name in zip(rows, named) if not name]  # every row names a test
+    found = {**vars(test_compare), **vars(test_credit), **vars(test_user_mistakes), **globals()}
+    missing = [m.group(1) for m in named if not callable(found.get(m.group(1)))]
+    assert not missing, missing
 
 
 def test_a_second_report_into_one_folder_is_written_beside_the_first(tmp_path, capsys):

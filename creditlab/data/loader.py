@@ -16,7 +16,7 @@ import torch
 
 from creditlab.data.ledger import read_split
 from creditlab.data.prepare import load_manifest, manifest_sha256
-from creditlab.data.shards import check_ids
+from creditlab.data.shards import ShardError, check_ids
 
 
 class ShardLoader:
@@ -43,8 +43,9 @@ class ShardLoader:
         # Windows start at shift + i*T with shift < T, and need T+1 tokens: n*T + T <= tokens.
         self.windows_per_epoch = (self.tokens - seq_len) // seq_len if self.tokens > seq_len else 0
         if self.windows_per_epoch < 1:
-            raise ValueError(f"{data_dir}: split {split!r} has {self.tokens} tokens, too few for one window of "
-                             f"seq_len+1 = {seq_len + 1} tokens with a shift (needs >= {2 * seq_len})")
+            raise ShardError(f"{data_dir}: split {split!r} has {self.tokens:,} tokens, too few for one window of "
+                             f"model.seq_len+1 = {seq_len + 1:,} tokens with a shift (needs >= {2 * seq_len:,}); "
+                             f"lower model.seq_len to at most {self.tokens // 2:,}, or prepare more text")
         self._epoch_cache: tuple[int, np.ndarray, int] | None = None
 
     @property
