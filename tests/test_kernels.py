@@ -3,14 +3,16 @@ runs on Hopper through Triton's compiler for sm_90.
 
 The interpreter checks run in processes of their own, one a kernel file (tests/kernel_checks.py runs
 tests/kernel_checks_<kernel>.py; the head loss's compiled-model checks in one more): a failure names its kernel,
-and `-k` runs one kernel's tests alone. The processes a run needs start together at its first kernel test, as
-many at once as there are cores."""
+and `-k` runs one kernel's tests alone. The processes a run needs start at its first kernel test, as many at once
+as there are cores."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,8 +22,8 @@ pytest.importorskip("triton")
 
 HERE = Path(__file__).resolve().parent
 
-# The check processes (tests/kernel_checks.py's KERNEL[:PART]), each read by the fixture of its name; the longest
-# first, so that the cores run out of work together. softcap_ce's compiled-model checks put a model through the
+# The check processes (tests/kernel_checks.py's SPECs), each read by the fixture of its name; the longest first,
+# so that the cores run out of work together. softcap_ce's compiled-model checks put a model through the
 # compiler, most of the time of them all, so they run beside the kernel's others.
 PROCESSES = {"compiled_head": "softcap_ce:compiled", "softcap_ce": "softcap_ce", "qkv_rotary": "qkv_rotary",
              "thin_linear": "thin_linear", "relu2_matmul": "relu2_matmul", "qk_norm_rotary": "qk_norm_rotary",
@@ -29,41 +31,44 @@ PROCESSES = {"compiled_head": "softcap_ce:compiled", "softcap_ce": "softcap_ce",
 
 
 class KernelChecks:
-    """The check processes of the kernels these tests read, started at once, one a core."""
+    """One tests/kernel_checks.py process for the check processes these tests read (it forks one a spec, one a
+    core at once), its lines read as the checks finish."""
+
+    TIMEOUT = 900  # seconds for them all: the slowest took about a minute on two cores
 
     def __init__(self, specs: list[str]):
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        self.pool = ThreadPoolExecutor(max_workers=max(1, min(cores, len(specs))))
-        self.running: dict[str, subprocess.Popen] = {}
-        self.results = {spec: self.pool.submit(self._run, spec) for spec in specs}
-
-    def _run(self, spec: str) -> tuple[int, str, str]:
-        # one thread a process (numpy's BLAS under the interpreter too): several run at once, one a core
-        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE.parent), OMP_NUM_THREADS="1")
-        process = subprocess.Popen([sys.executable, str(HERE / "kernel_checks.py"), spec], env=env,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.running[spec] = process
-        try:
-            out, err = process.communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            out, err = process.communicate()
-            err += "\n(killed after 600 s)"
-        return process.returncode, out, err
+        self.errors = tempfile.TemporaryFile(mode="w+")
+        self.process = subprocess.Popen([sys.executable, str(HERE / "kernel_checks.py"), *specs],
+                                        env=dict(os.environ, PYTHONPATH=str(HERE.parent)), stdout=subprocess.PIPE,
+                                        stderr=self.errors, text=True, start_new_session=True)
+        self.timer = threading.Timer(self.TIMEOUT, self.close)
+        self.timer.start()
+        self.lines: dict[str, dict] = {}
 
     def report(self, fixture: str) -> dict:
         spec = PROCESSES[fixture]
-        returncode, out, err = self.results[spec].result()
+        while spec not in self.lines:
+            line = self.process.stdout.readline()
+            if not line:  # ended, or stopped by the timer, before this spec's checks
+                self.errors.seek(0)
+                raise AssertionError(f"tests/kernel_checks.py ended (exit {self.process.wait()}) before the checks "
+                                     f"of {spec}:\n{self.errors.read()[-3000:]}")
+            record = json.loads(line)
+            self.lines[record["spec"]] = record
+        record = self.lines[spec]
         kernel, _, part = spec.partition(":")
-        assert returncode == 0, (f"the checks of creditlab/kernels/{kernel}.py{f' ({part})' if part else ''} "
-                                 f"failed:\n{err[-3000:]}")
-        return json.loads(out)
+        assert record["returncode"] == 0, (f"the checks of creditlab/kernels/{kernel}.py{f' ({part})' if part else ''}"
+                                           f" failed:\n{record['stderr']}")
+        return record["report"]
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        for process in self.running.values():
-            if process.poll() is None:
-                process.kill()
+        self.timer.cancel()
+        if self.process.poll() is None:
+            try:  # it and the processes it forked: its session's process group
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:  # ended meanwhile
+                pass
+        self.process.wait()
 
 
 @pytest.fixture(scope="module")
