@@ -2,13 +2,13 @@
 
     python benchmarks/arms.py --out DIR --arms native,zero [--preset seed] [--updates 12] [--set k=v ...]
 
-An arm is a label of the arm registry (creditlab/arms.py), as `creditlab compare` takes it: `native`, `zero`,
+An arm is a label of the arm registry (creditlab/experiments/arms.py), as `creditlab compare` takes it: `native`, `zero`,
 `learned` (one teacher update in four), `learned@credit.schedule=never` (synthetic updates alone),
 `native@model.head=fp8`, `sketch@credit.sketch_rank=16`. Each arm starts from the same state-dict bytes and
 reads the same micro-batches; per update it records synchronized wall time, loss and peak memory. Results go
 to DIR/arms.json and DIR/arms.md (last-six medians, ratios against the first arm).
 
-By default the arms are interleaved (creditlab/arms_runner.py, the runner the resource screen uses too): all
+By default the arms are interleaved (creditlab/experiments/arms_runner.py, the runner the resource screen uses too): all
 are built and compiled first, then each round runs one update of every arm, so the board's drift in clock and
 temperature under its power limit falls on all arms alike (run back to back, the same arm's median moves by
 5-10 ms between runs). `--schedule sequential` runs each arm's updates back to back, alone on the GPU, which
@@ -35,12 +35,12 @@ import torch._dynamo
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from creditlab import config as config_mod  # noqa: E402
-from creditlab.arms import parse_arm, parse_arms  # noqa: E402
+from creditlab.experiments.arms import parse_arm, parse_arms  # noqa: E402
 from creditlab import runtime as rt  # noqa: E402
 # rotation is re-exported: the order of a round is the runner's, one rule for the screen and this benchmark
-from creditlab.arms_runner import (OwnMemory, cuda_allocated, keep_compiled_side_by_side, rotation,  # noqa: E402,F401
+from creditlab.experiments.arms_runner import (OwnMemory, cuda_allocated, keep_compiled_side_by_side, rotation,  # noqa: E402,F401
                                    run_rounds)
-from creditlab.arms_runner import round_ratio as runner_round_ratio  # noqa: E402
+from creditlab.experiments.arms_runner import round_ratio as runner_round_ratio  # noqa: E402
 from creditlab.data import SyntheticLoader  # noqa: E402
 from creditlab.train import Trainer, build_model, row_dict  # noqa: E402
 
@@ -52,7 +52,7 @@ SCHEDULES = {
 
 
 def arm_names(text: str) -> list[str]:
-    """The arms of --arms: labels of the arm registry (creditlab/arms.py), as `creditlab compare` takes them."""
+    """The arms of --arms: labels of the arm registry (creditlab/experiments/arms.py), as `creditlab compare` takes them."""
     try:
         return [spec.label for spec in parse_arms(text)]
     except config_mod.ConfigError as exc:

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import arms as arms_bench  # noqa: E402
 from creditlab import config as config_mod  # noqa: E402
 from creditlab import runtime as rt  # noqa: E402
-from creditlab.arms_runner import rotation, round_difference_ms  # noqa: E402
+from creditlab.experiments.arms_runner import rotation, round_difference_ms  # noqa: E402
 
 
 KINDS = ("plain", "led", "rested")

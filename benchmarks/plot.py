@@ -21,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from creditlab.arms_runner import round_ratio  # noqa: E402
+from creditlab.experiments.arms_runner import round_ratio  # noqa: E402
 from stored import is_stored, read_stored  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Does the training step as it runs on this GPU compute the gradient it claims? Each arm's compiled step, its
 eager step and its plain step (every module torch arithmetic, same precision) against the same step in float64
-on the CPU (creditlab/step_check.py).
+on the CPU (creditlab/checks/step_check.py).
 
     python benchmarks/step_gradients.py --out DIR [--arms native,zero,learned] [--preset seed] [--micro-batch 2]
         [--set key=value ...]
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import plot  # noqa: E402
 from arms import overrides_of  # noqa: E402
-from creditlab import step_check  # noqa: E402
+from creditlab.checks import step_check  # noqa: E402
 from creditlab.runtime import gpu_benchmark_folder, write_benchmark  # noqa: E402
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from creditlab.arms_runner import round_difference_ms, round_ratio  # noqa: E402
+from creditlab.experiments.arms_runner import round_difference_ms, round_ratio  # noqa: E402
 
 PEAK_GATE_MIB = 23_400.0  # the resource screen's peak gate (config.ScreenConfig.peak_gate_mib)
 

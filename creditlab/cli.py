@@ -205,7 +205,7 @@ def _train(args, cfg, runtime, trainer, record) -> int:
         if record is not None:
             trainer.save_model(record / "model.pt")
             write_once(record / "result.json", result)
-            from creditlab.report import report
+            from creditlab.experiments.report import report
             report([record])
     except Diverged as exc:  # the run's own failure, not the program's: one line, the record says the rest
         _record_failure(record, trainer, {**exc.details, "error": str(exc)})
@@ -351,8 +351,8 @@ def parse_seeds(text: str) -> list[int]:
 def cmd_compare(args) -> int:
     from pathlib import Path
 
-    from creditlab.compare import CompareRun, Interrupted, kept, merge, partial_result, verdicts
-    from creditlab.compare_report import table, write_report
+    from creditlab.experiments.compare import CompareRun, Interrupted, kept, merge, partial_result, verdicts
+    from creditlab.experiments.compare_report import table, write_report
 
     given = [flag for flag, value in (("EXPERIMENT", args.experiment), ("--arms", args.arms), ("--seeds", args.seeds),
                                       ("--set", args.overrides), ("--preset", args.preset), ("--repeat", args.repeat),
@@ -442,13 +442,13 @@ def write_once_json(path, content) -> None:
 
 def _experiment(args):
     """The experiment of `compare`: its file (if given), then the flags beside it."""
-    from creditlab import experiment as experiment_mod
+    from creditlab.experiments import experiment as experiment_mod
 
     exp = experiment_mod.load(args.experiment) if args.experiment else experiment_mod.Experiment()
     if args.preset:
         exp.preset = args.preset
     if args.arms:
-        from creditlab.arms import parse_arms
+        from creditlab.experiments.arms import parse_arms
         exp.arms = [s.label for s in parse_arms(args.arms)]
     if args.seeds is not None:
         exp.seeds = parse_seeds(args.seeds)
@@ -591,8 +591,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 # The commands that live beside the subsystem they drive, and where each registers its parser.
-EXTENSIONS = ((("data",), "creditlab.data.cli"), (("demo",), "creditlab.demo"), (("report",), "creditlab.report"),
-              (("admit", "screen"), "creditlab.protocol.cli"), (("ceiling",), "creditlab.ceiling"))
+EXTENSIONS = ((("data",), "creditlab.data.cli"), (("demo",), "creditlab.demo"),
+              (("report",), "creditlab.experiments.report"), (("admit", "screen"), "creditlab.protocol.cli"),
+              (("ceiling",), "creditlab.experiments.ceiling"))
 EXTENSION_COMMANDS = {name for names, _ in EXTENSIONS for name in names}
 
 

@@ -55,7 +55,7 @@ def test_cycle_estimate_uses_medians_after_the_first_cycle():
 
 
 def test_a_sketch_counts_its_refresh_at_its_share_of_the_updates_as_compare_does():
-    from creditlab.compare import arm_summary
+    from creditlab.experiments.compare import arm_summary
     from creditlab.train import Trainer
 
     arms = load("arms")
@@ -282,7 +282,7 @@ def test_kernel_bandwidth_joins_trace_times_with_the_compilers_byte_counts(tmp_p
 
 def test_the_tables_ratio_per_round_is_the_runners_of_the_rows_seconds():
     arms = load("arms")
-    from creditlab.arms_runner import round_ratio
+    from creditlab.experiments.arms_runner import round_ratio
 
     base = [{"seconds": s} for s in [9.0, 9.0] + [0.30, 0.34] * 4]
     arm = [{"seconds": b["seconds"] * (0.90 if i % 2 else 0.96)} for i, b in enumerate(base)]

@@ -1,4 +1,4 @@
-"""The fit ceiling (creditlab/ceiling.py): scores from the streamed statistics equal explicit predictions, the
+"""The fit ceiling (creditlab/experiments/ceiling.py): scores from the streamed statistics equal explicit predictions, the
 families' schema and ordering, the trained family is the source's own prediction, and the command end to end."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from creditlab import ceiling as ceil
+from creditlab.experiments import ceiling as ceil
 from creditlab import cli, config
 from creditlab.checks import randomized_model, seed_structure
 from creditlab.credit.predictor import decode_all

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from creditlab import cli, config
-from creditlab.compare import CompareRun, gap_closed
-from creditlab.arms import parse_arms
-from creditlab.experiment import Experiment
+from creditlab.experiments.compare import CompareRun, gap_closed
+from creditlab.experiments.arms import parse_arms
+from creditlab.experiments.experiment import Experiment
 from creditlab.data.ledger import entries
 from creditlab.evaluate import Evaluator
 from creditlab.model import GPT
@@ -257,7 +257,7 @@ def test_merge_joins_seeds_run_in_separate_processes(corpus, tmp_path, capsys):
 
 
 def test_steady_seconds_leave_out_each_kinds_first_update():
-    from creditlab.compare import kind_medians
+    from creditlab.experiments.compare import kind_medians
     rows = [{"kind": "teacher", "seconds": 40.0}, {"kind": "synthetic", "seconds": 15.0}] + \
         [{"kind": k, "seconds": s} for k, s in [("synthetic", 0.04), ("synthetic", 0.05), ("teacher", 0.06),
                                                  ("teacher", 0.07)]]
@@ -280,7 +280,7 @@ def _fake_compare(folder, seed: int, overrides: list[str], device: str = "cpu"):
 
 
 def test_merge_ignores_cosmetic_overrides_and_refuses_the_rest(tmp_path):
-    from creditlab.compare import merge
+    from creditlab.experiments.compare import merge
 
     a = _fake_compare(tmp_path / "a", 1, ["train.updates=3", "train.warmup=0"])
     b = _fake_compare(tmp_path / "b", 2, ["train.updates=3", "train.warmup=0", "train.keep_checkpoints=0",
@@ -371,8 +371,8 @@ def test_native_budgets_forked_from_the_longest_equal_separate_runs(tmp_path):
 
 
 def test_speedup_of_native_is_one_and_of_a_handicapped_native_below_one(tmp_path, fixed_seconds):
-    from creditlab import verdict as vd
-    from creditlab.compare import judged
+    from creditlab.experiments import verdict as vd
+    from creditlab.experiments.compare import judged
 
     handicapped = "native@train.lr_muon=0.005@train.lr_embed=0.0125@train.lr_head=0.0025@train.lr_scalar=0.005"
     copy = "native@train.log_every=3"  # the same computation under another label
@@ -393,7 +393,7 @@ def _stop_after(monkeypatch, steps: int, hard: bool = False):
     import os
     import signal
 
-    from creditlab import compare as compare_mod
+    from creditlab.experiments import compare as compare_mod
 
     calls = {"n": 0}
     original = compare_mod.ArmRun.step
@@ -474,7 +474,7 @@ def test_a_partial_report_and_a_refused_out_say_what_there_is(tmp_path, fixed_se
 
 
 def test_labels_say_equal_updates_only_where_they_are(tmp_path):
-    from creditlab.compare import verdicts
+    from creditlab.experiments.compare import verdicts
 
     assert _compare(tmp_path / "c", "native,zero,zero@train.updates=3", seeds="1",
                     sets=[*NO_BUDGETS, "train.updates=4", "compare.floors=false"]) == 0
@@ -500,7 +500,7 @@ def test_repeats_of_a_seed_measure_run_to_run_noise(tmp_path):
 
 
 def test_the_experiment_file_round_trips_and_runs_as_the_flags_do(tmp_path):
-    from creditlab import experiment
+    from creditlab.experiments import experiment
 
     exp = Experiment("tiny", ["native", "learned@credit.schedule=warmup:2,4"], [3, 4], repeat=2,
                      overrides=["train.updates=3", "train.warmup=0", "compare.floors=false", "train.lr_muon=0.02",

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from creditlab import arms, cli, config
+from creditlab import cli, config
+from creditlab.experiments import arms
 from creditlab import runtime as rt
 from creditlab.config import Config, ConfigError, TrainConfig
 
@@ -235,11 +236,16 @@ def test_train_on_cuda_without_cuda_exits_2_with_one_line(capsys):
 
 
 def test_validation_collects_every_problem():
+    """Every problem of the generic keys at once; the source's own (which import it, and torch) once those pass."""
     with pytest.raises(ConfigError) as exc:
         config.load("tiny", ["model.width=66", "model.heads=4", "train.micro_batch=0", "credit.source=learned",
                              "credit.rank=0"])
     msg = str(exc.value)
-    assert "divisible" in msg and "train.micro_batch" in msg and "credit.rank" in msg
+    assert "divisible" in msg and "train.micro_batch" in msg and "credit.rank" not in msg
+    with pytest.raises(ConfigError) as exc:
+        config.load("tiny", ["credit.source=learned", "credit.rank=0", "credit.teacher_every=0"])
+    msg = str(exc.value)
+    assert "credit.rank" in msg and "never fits" in msg
 
 
 def test_boundary_combinations_are_accepted():

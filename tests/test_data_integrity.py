@@ -234,7 +234,7 @@ def count_hashes(monkeypatch) -> list[str]:
 def test_an_edited_shard_is_refused_on_read_naming_it(prepared) -> None:
     shard = prepared / load_manifest(prepared)["splits"]["train"]["files"][1]["name"]
     flip_last_byte(shard)  # same size, valid header: only its hash tells
-    with pytest.raises(ShardError, match=rf"{re.escape(str(shard))} has SHA256 .*the manifest lists .*--force"):
+    with pytest.raises(ShardError, match=rf"{re.escape(str(shard))} has SHA256 .*the manifest lists .*prepare it again into a new folder"):
         ShardLoader(prepared, "train", 2, 16)
     with pytest.raises(ShardError, match="train_000001.bin"):
         read_split(prepared, "train", purpose=None)

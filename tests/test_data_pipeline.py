@@ -280,7 +280,7 @@ def test_loader_on_dev_goes_through_the_ledger(prepared) -> None:
 
 def test_loader_on_a_split_too_small_is_a_clear_error(prepared) -> None:
     tokens = info(prepared)["splits"]["dev"]["tokens"]
-    with pytest.raises(ValueError, match=rf"split 'dev' has {tokens} tokens, too few"):
+    with pytest.raises(ValueError, match=rf"split 'dev' has {tokens:,} tokens, too few"):
         ShardLoader(prepared, "dev", 1, tokens, purpose="x")
 
 

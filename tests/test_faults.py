@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from creditlab import cli
-from creditlab.report import load_run
+from creditlab.experiments.report import load_run
 from creditlab.train import Trainer
 from tiny_corpus import VOCAB, prepare_corpus
 
@@ -437,7 +437,7 @@ def test_command_line_errors_are_one_line(capsys):
 
 
 def test_ceiling_takes_the_newest_readable_checkpoint_and_refuses_what_is_not_one(tmp_path, monkeypatch, capsys):
-    from creditlab import ceiling
+    from creditlab.experiments import ceiling
 
     record = died_at(tmp_path, monkeypatch, 5, updates=7)
     newest = record / "checkpoint_000004.pt"
@@ -463,7 +463,7 @@ def test_damaged_manifests_and_a_heldout_read_of_no_tokens_are_refused(tmp_path,
     assert cli.main(["data", "info", str(data)]) == 2
     one_error_line(capsys, "manifest.json is not readable JSON")
     assert cli.main(["train", *TINY, "--no-record", "--set", "data.source=shards", "--set", f"data.dir={data}"]) == 2
-    one_error_line(capsys, "prepare the data again")
+    one_error_line(capsys, "prepare it again into a new folder")
     assert cli.main(["train", *TINY, "--no-record", "--set", "data.source=shards",
                      "--set", f"data.dir={data / 'manifest.json'}"]) == 2
     one_error_line(capsys, "is a file, not a prepared data folder")

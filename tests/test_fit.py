@@ -109,7 +109,7 @@ def _fixed_model_fit(teacher_updates: int = 6):
     gates, fitted by lstsq for a few teacher updates cycling over the ceiling's fit batches; returns the held-out
     cosine of the source as trained, the same with each branch given its neighbour's decoder (a mutation), and
     the ceilings of its family and of `full`."""
-    from creditlab import ceiling as ceil
+    from creditlab.experiments import ceiling as ceil
 
     cfg = config.load("tiny", OVERRIDES + ["credit.source=learned", "credit.fit=lstsq", "credit.predictor_lr=0",
                                            "train.micro_batch=32"])

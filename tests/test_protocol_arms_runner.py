@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from creditlab import arms_runner as runner
+from creditlab.experiments import arms_runner as runner
 
 
 def test_rotation_puts_every_arm_in_every_position_once_per_cycle():

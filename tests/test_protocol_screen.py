@@ -160,7 +160,7 @@ def test_exploratory_screen_writes_a_complete_record(tmp_path):
 def test_the_ratio_per_round_is_recorded_beside_the_verdict(tmp_path):
     """Synthetic over native seconds in the same round, from the third round on, with its interval: in the result
     and the report, as information; the verdict's ratio stays the ratio of last-window medians."""
-    from creditlab.arms_runner import round_ratio
+    from creditlab.experiments.arms_runner import round_ratio
 
     out = screen(cfg_for(tmp_path, "screen.updates=6", "screen.cycle_gate=100"))
     rows = read_jsonl(out.record_dir / "rows.jsonl")
@@ -357,7 +357,7 @@ def _busy_from_half(updates: int, grad_accum: int, delay: float):
 
 def _sequential(arms, rounds, step, *, stop=None, after_round=None):
     """The old schedule: each arm's updates back to back (the control of the test below)."""
-    from creditlab.arms_runner import Step
+    from creditlab.experiments.arms_runner import Step
     for arm in arms:
         for r in range(rounds):
             if stop is not None and stop():
@@ -378,7 +378,7 @@ def test_a_host_turning_busy_slows_both_interleaved_arms_alike(tmp_path, monkeyp
 
 def test_the_screen_and_the_benchmark_share_one_runner():
     from benchmark_scripts import load
-    from creditlab import arms_runner
+    from creditlab.experiments import arms_runner
 
     bench = load("arms")
     assert scr.run_rounds is arms_runner.run_rounds and bench.run_rounds is arms_runner.run_rounds

@@ -3,7 +3,7 @@
 import pytest
 
 from creditlab import cli
-from creditlab.report import load_run, report
+from creditlab.experiments.report import load_run, report
 
 
 def _train(tmp_path, *extra):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from creditlab import ceiling as ceil
+from creditlab.experiments import ceiling as ceil
 from creditlab import checks, cli
 from creditlab.config import load
 from creditlab.credit import make_source

@@ -1,4 +1,4 @@
-"""The step check (creditlab/step_check.py): the trainer's compiled step against its float64 plain reference,
+"""The step check (creditlab/checks/step_check.py): the trainer's compiled step against its float64 plain reference,
 here with the aot_eager backend (no C++ toolchain needed) in float32 on the CPU."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from creditlab import config
 from creditlab import runtime as rt
-from creditlab import step_check
+from creditlab.checks import step_check
 from creditlab.credit import registry
 from creditlab.model import GPT
 

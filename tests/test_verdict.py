@@ -1,4 +1,4 @@
-"""The verdict's arithmetic (creditlab/verdict.py) against cases known without it."""
+"""The verdict's arithmetic (creditlab/experiments/verdict.py) against cases known without it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from creditlab import verdict as vd
+from creditlab.experiments import verdict as vd
 
 
 @pytest.mark.parametrize("p", [0.6, 0.9, 0.975, 0.995])

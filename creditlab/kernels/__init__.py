@@ -27,7 +27,7 @@ def available(t: torch.Tensor) -> bool:
 @contextlib.contextmanager
 def off():
     """Every caller of `available` takes its torch arithmetic inside this block (the step check's plain step in the
-    training precision, creditlab/step_check.py). Eager code only: a compiled graph keeps what it traced."""
+    training precision, creditlab/checks/step_check.py). Eager code only: a compiled graph keeps what it traced."""
     global _off
     was, _off = _off, True
     try:

@@ -23,7 +23,7 @@ class HeldoutRefused(RuntimeError):
 def _models(path: Path) -> list[Path]:
     """The finished runs a heldout read covers: one run, or every arm-seed record of a comparison."""
     if (path / "compare.json").exists():
-        from creditlab.compare import record_dirs
+        from creditlab.experiments.compare import record_dirs
         runs = record_dirs(path, read_json(path / "compare.json"))
     else:
         runs = [path]

@@ -7,7 +7,7 @@ Two arms of `screen.updates` updates each, seed `train.seed`, in one process on 
   operation executing, no fitting). The candidate is `credit.source` of the config, or `learned` when the
   config says `exact` (the presets do); another source (`zero`, `dfa`, ...) makes a stand-in screen, marked so.
 
-The arms run interleaved, through the arms runner benchmarks/arms.py uses too (creditlab/arms_runner.py): both
+The arms run interleaved, through the arms runner benchmarks/arms.py uses too (creditlab/experiments/arms_runner.py): both
 are built first, then each round runs one update of each, the order rotated each round, so a host or GPU whose
 speed drifts during the screen slows both arms alike instead of whichever ran second.
 
@@ -46,7 +46,7 @@ import torch
 
 from creditlab import config as config_mod
 from creditlab import runtime as rt
-from creditlab.arms_runner import (OwnMemory, Step, cuda_allocated, keep_compiled_side_by_side, round_ratio,
+from creditlab.experiments.arms_runner import (OwnMemory, Step, cuda_allocated, keep_compiled_side_by_side, round_ratio,
                                    run_rounds)
 from creditlab.config import Config
 from creditlab.protocol import admission as adm_mod
@@ -154,13 +154,13 @@ def synthetic_source_of(cfg: Config) -> str:
 
 
 def arm_label(arm: str, synthetic_source: str) -> str:
-    """The screen's two roles as arms of the one registry (creditlab/arms.py): native backprop, and the synthetic
+    """The screen's two roles as arms of the one registry (creditlab/experiments/arms.py): native backprop, and the synthetic
     source with no teacher update (its predictor never fitted: all its operations, zero decoders)."""
     return "native" if arm == "native" else f"{synthetic_source}@credit.schedule=never"
 
 
 def arm_overrides(arm: str, synthetic_source: str) -> list[str]:
-    from creditlab.arms import parse_arm
+    from creditlab.experiments.arms import parse_arm
     from creditlab.credit import registry
 
     registry.source_class(synthetic_source)  # an unknown source is named as one (a ValueError listing them)

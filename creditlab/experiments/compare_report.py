@@ -11,8 +11,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from creditlab import verdict as vd
-from creditlab.compare import load_runs, missing_records, record_dirs, speedup_text, verdicts
+from creditlab.experiments import verdict as vd
+from creditlab.experiments.compare import load_runs, missing_records, record_dirs, speedup_text, verdicts
 from creditlab.protocol.records import write_once
 
 FIGURES = ("verdict.png", "dev_minus_native.png", "fit_quality.png", "alignment.png")

@@ -44,9 +44,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from creditlab import config as config_mod
-from creditlab import verdict as vd
-from creditlab.arms import ArmSpec, Role, arm_config, parse_arms, resolve_arms
-from creditlab.experiment import Experiment
+from creditlab.experiments import verdict as vd
+from creditlab.experiments.arms import ArmSpec, Role, arm_config, parse_arms, resolve_arms
+from creditlab.experiments.experiment import Experiment
 from creditlab.protocol.records import append_jsonl, make_folder, read_json, read_jsonl, repair_jsonl, write_once
 
 FORMAT = "creditlab-compare/2"
@@ -145,7 +145,7 @@ class ArmRun:
         import torch
 
         from creditlab.evaluate import Evaluator
-        from creditlab.tracking import tracker
+        from creditlab.experiments.tracking import tracker
         from creditlab.train import Trainer
 
         folder = compare.out / record_name(spec.label, key)
@@ -352,7 +352,7 @@ class CompareRun:
         if self.base.train.eval_tokens < 1:
             raise config_mod.ConfigError("compare evaluates on DEV: train.eval_tokens must be > 0")
         if self.experiment.wandb is not None:
-            from creditlab.tracking import require_wandb
+            from creditlab.experiments.tracking import require_wandb
             require_wandb()
 
     # -- starting and resuming ------------------------------------------------------------------------------
@@ -365,7 +365,7 @@ class CompareRun:
 
     @classmethod
     def resume(cls, out: Path, progress: bool = True) -> "CompareRun":
-        from creditlab import experiment as experiment_mod
+        from creditlab.experiments import experiment as experiment_mod
 
         if not (out / "experiment.toml").exists():
             raise config_mod.UserError(f"{out} holds no comparison to resume (no experiment.toml); start one with "
@@ -438,7 +438,7 @@ class CompareRun:
                  extra: dict | None = None) -> None:
         """Arms resident together; each round runs one update of every arm at that round's update, in rotated
         order (arms_runner.rotation, as the screen and the arms benchmark run theirs)."""
-        from creditlab.arms_runner import keep_compiled_side_by_side, rotation
+        from creditlab.experiments.arms_runner import keep_compiled_side_by_side, rotation
 
         configs = {s.label: self.config_of(s, key, updates) for s in specs}
         todo = [s for s in specs if not (self.out / record_name(s.label, key) / "result.json").exists()]
@@ -770,7 +770,7 @@ def merge(folders: list[Path], out: Path) -> dict:
 
 def partial_result(out: Path) -> dict:
     """compare.json's content from whatever arm runs of an unfinished (or finished) comparison have finished."""
-    from creditlab import experiment as experiment_mod
+    from creditlab.experiments import experiment as experiment_mod
 
     run = CompareRun(experiment_mod.load(out / "experiment.toml"), out, progress=False)
     for key in run.keys():

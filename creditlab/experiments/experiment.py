@@ -131,7 +131,7 @@ def _top(path: Path, key: str, value):
         raise config_mod.ConfigError(f"{path}: {key} must be a {wanted[key].__name__}, got {value!r}")
     if key == "arms":
         if isinstance(value, str):
-            from creditlab.arms import parse_arms
+            from creditlab.experiments.arms import parse_arms
             return [s.label for s in parse_arms(value)]
         if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
             raise config_mod.ConfigError(f"{path}: arms must be a list of arm labels, got {value!r}")
