@@ -412,7 +412,7 @@ def _stop_after(monkeypatch, steps: int, hard: bool = False):
 RESUMABLE = ["train.updates=8", "train.eval_every=2", "compare.native_budgets=0.5,1.0"]
 
 
-@pytest.mark.parametrize("hard", [False, True], ids=["sigint", "at_once"])
+@pytest.mark.parametrize("hard", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["sigint", "at_once"])
 def test_an_interrupted_comparison_resumes_to_the_numbers_of_an_uninterrupted_one(tmp_path, fixed_seconds, monkeypatch,
                                                                                   capsys, hard):
     arms = "native,learned,intermittent"

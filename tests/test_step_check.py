@@ -29,7 +29,8 @@ def aot_eager(monkeypatch):
 
 @pytest.mark.parametrize("source, kinds", [("exact", ["native"]), ("zero", ["synthetic"]),
                                            ("learned", ["synthetic", "teacher"]),
-                                           ("learned@credit.fit=lstsq", ["synthetic", "teacher"])])
+                                           pytest.param("learned@credit.fit=lstsq", ["synthetic", "teacher"],
+                                                        marks=pytest.mark.slow)])
 def test_the_compiled_step_agrees_with_the_float64_reference(source, kinds, aot_eager):
     source, *extra = source.split("@")
     result = step_check.check_step("tiny", [*TINY, f"credit.source={source}", *extra], say=lambda line: None)
@@ -45,7 +46,12 @@ def test_the_compiled_step_agrees_with_the_float64_reference(source, kinds, aot_
             assert 0 < err["compiled"] < 1e-4 and 0 < err["eager"] < 1e-4 and 0 < err["plain"] < 1e-4
 
 
-@pytest.mark.parametrize("source", registry.SOURCES)
+# The quick run checks the cheap ones; exact, zero and learned are checked just above, and the slow run checks all.
+SLOW_TO_COMPILE = ("exact", "zero", "learned", "typed", "dni", "fdfa", "fitted_feedback")
+
+
+@pytest.mark.parametrize("source", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_TO_COMPILE else s
+                                    for s in registry.SOURCES])
 def test_every_registered_source_compiles_to_the_float64_gradients(source, aot_eager):
     """A new source is one class and one registration line: its step is checked here with no test of its own."""
     result = step_check.check_step("tiny", [*TINY, f"credit.source={source}"], say=lambda line: None)
@@ -138,6 +144,7 @@ def test_the_plain_step_runs_without_the_kernels(aot_eager, monkeypatch):
     assert seen == [(False, "cpu", False), (False, "cpu", False), (True, "cpu", True), (True, "cpu", False)]
 
 
+@pytest.mark.slow
 def test_the_benchmark_writes_every_arms_table_and_exits_1_when_anything_is_flagged(tmp_path, monkeypatch, aot_eager):
     """benchmarks/step_gradients.py end to end on the CPU (its GPU-only parts stood in for): the table has a row
     per arm and kind, the JSON every parameter; a dropped gradient makes the verdict and the exit status."""
