@@ -5,7 +5,7 @@ cuDNN, FlashAttention-2 and memory-efficient backends, and FlexAttention compile
         [--backends cudnn,flash,efficient,flex,cudnn@heads_first]
 
 The inputs are laid out as the model hands them over: q, k, v in (batch, sequence, heads, head dim), transposed
-to SDPA's order without a copy, and the output's gradient laid out as the output (`creditlab/causal_attention.py`);
+to SDPA's order without a copy, and the output's gradient laid out as the output (`creditlab/ops/causal_attention.py`);
 scale 0.12, bf16. A backend named `KERNEL@heads_first` takes all four contiguous in SDPA's order (batch, heads,
 sequence, head dim) instead, which the Q/K/V product could write directly. Each path is first checked on the
 first two sequences against float64 (output and the three input gradients), then all are timed in alternated
@@ -74,7 +74,7 @@ def inputs(batch: int, seq: int, heads: int, head_dim: int, device: str, dtype=t
     lays its output out as q is); heads_first: all four contiguous.
 
     Two layouts whose q, k, v strides agree but whose gradients' differ cannot both be timed in one process: cuDNN
-    reuses the first one's backward graph for the second (`creditlab/causal_attention.py`)."""
+    reuses the first one's backward graph for the second (`creditlab/ops/causal_attention.py`)."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -98,7 +98,7 @@ def graph_cache_check(device: str, batch: int = 1, seq: int = 256, heads: int = 
     another sequence length (a graph of its own), `causal_attention` handed the same two gradients."""
     from torch.nn.attention import sdpa_kernel
 
-    from creditlab.causal_attention import causal_attention
+    from creditlab.ops.causal_attention import causal_attention
 
     backend = sdpa_backend(kernel)
     result = {}

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fp8_head import checked_paths, error_text, failure_rows, ratio_text, round_summary  # noqa: E402
 
-from creditlab.kernels import thin_linear  # noqa: E402
+from creditlab.ops import thin_linear  # noqa: E402
 from creditlab.runtime import gpu_benchmark_folder, write_benchmark  # noqa: E402
 
 CALLS = 20  # calls per graph replay

@@ -12,7 +12,7 @@ error of the three; over 0.05 is a wrong gradient:
   one of three in a packed (batch, sequence, 3, heads, head dim) buffer), the gradient contiguous first and then
   laid out as the output.
 PyTorch caches cuDNN's backward graph by q, k and v alone, so the second layout of each pair reuses the first's
-graph (`creditlab/causal_attention.py`). Writes DIR/attention_grad_layouts.json and .md; any CUDA machine.
+graph (`creditlab/ops/causal_attention.py`). Writes DIR/attention_grad_layouts.json and .md; any CUDA machine.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from creditlab.credit.teacher import RankSpaceFit, rank_space_fit  # noqa: E402
-from creditlab.kernels import fit_rows  # noqa: E402
+from creditlab.ops import fit_rows  # noqa: E402
 from creditlab.runtime import cuda_ms, gpu_benchmark_folder, largest_relative_error, write_benchmark  # noqa: E402
 
 

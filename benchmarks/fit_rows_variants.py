@@ -18,8 +18,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from creditlab.kernels import fit_rows  # noqa: E402
-from creditlab.kernels._triton import tl, triton  # noqa: E402
+from creditlab.ops import fit_rows  # noqa: E402
+from creditlab.ops._triton import tl, triton  # noqa: E402
 from creditlab.runtime import largest_relative_error, write_benchmark  # noqa: E402
 from fit_rows import branch_problem  # noqa: E402
 from fp8_head import alternated_rounds  # noqa: E402

@@ -19,9 +19,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from creditlab import kernels  # noqa: E402
-from creditlab.kernels import tiled_transpose  # noqa: E402
-from creditlab.loss import (HEAD_GRAD_FP8, HEAD_GRAD_SCALE, HEAD_INPUT_FP8, Fp8Head, _quantize,  # noqa: E402
+from creditlab import ops  # noqa: E402
+from creditlab.ops import tiled_transpose  # noqa: E402
+from creditlab.ops.loss import (HEAD_GRAD_FP8, HEAD_GRAD_SCALE, HEAD_INPUT_FP8, Fp8Head, _quantize,  # noqa: E402
                             fp8_quantize, fused_head_loss, softcap_ce_rows)
 from creditlab.runtime import cuda_ms, gpu_benchmark_folder, largest_relative_error, write_benchmark  # noqa: E402
 
@@ -158,9 +158,9 @@ def main() -> int:
     head = Fp8Head(h, w, 1.0 / N)
     logits = torch._scaled_mm(head.h8[:chunk], head.w8.t(), scale_a=head.h_scale, scale_b=head.w_scale,
                               out_dtype=torch.bfloat16)
-    _, g8 = kernels.softcap_ce_rows(logits, targets[:chunk], V, CAP, HEAD_GRAD_SCALE, grad_dtype=HEAD_GRAD_FP8)
+    _, g8 = ops.softcap_ce_rows(logits, targets[:chunk], V, CAP, HEAD_GRAD_SCALE, grad_dtype=HEAD_GRAD_FP8)
     h16, w16 = h[:chunk], w.bfloat16()
-    g16 = kernels.softcap_ce_rows(h16 @ w16.t(), targets[:chunk], V, CAP, 1.0 / N)[1]
+    g16 = ops.softcap_ce_rows(h16 @ w16.t(), targets[:chunk], V, CAP, 1.0 / N)[1]
     g_scale = head.g_scale
     parts = {
         "quantize and transpose h and W (per micro-batch)": cuda_ms(lambda: Fp8Head(h, w, 1.0 / N)),
@@ -170,9 +170,9 @@ def main() -> int:
         "logits product, fp8": cuda_ms(lambda: torch._scaled_mm(head.h8[:chunk], head.w8.t(), scale_a=head.h_scale,
                                                                 scale_b=head.w_scale, out_dtype=torch.bfloat16)),
         "cross-entropy kernel, bf16 gradient": cuda_ms(
-            lambda: kernels.softcap_ce_rows(logits, targets[:chunk], V, CAP, 1.0 / N)),
+            lambda: ops.softcap_ce_rows(logits, targets[:chunk], V, CAP, 1.0 / N)),
         "cross-entropy kernel, e5m2 gradient": cuda_ms(
-            lambda: kernels.softcap_ce_rows(logits, targets[:chunk], V, CAP, HEAD_GRAD_SCALE, grad_dtype=HEAD_GRAD_FP8)),
+            lambda: ops.softcap_ce_rows(logits, targets[:chunk], V, CAP, HEAD_GRAD_SCALE, grad_dtype=HEAD_GRAD_FP8)),
         "dh product, bf16": cuda_ms(lambda: g16 @ w16),
         "dh product, fp8": cuda_ms(lambda: torch._scaled_mm(g8, head.w8_t.t(), scale_a=g_scale, scale_b=head.w_scale,
                                                             out_dtype=torch.bfloat16)),
@@ -184,9 +184,9 @@ def main() -> int:
         "transpose of the e5m2 gradient, torch copy": cuda_ms(lambda: g8.t().contiguous()),
     }
     # the kernel's e5m2 rounding against torch's of the same float32 gradient
-    g32 = kernels.softcap_ce_rows(logits.float(), targets[:chunk], V, CAP, HEAD_GRAD_SCALE,
+    g32 = ops.softcap_ce_rows(logits.float(), targets[:chunk], V, CAP, HEAD_GRAD_SCALE,
                                   grad_dtype=torch.float32)[1]
-    g8_from_32 = kernels.softcap_ce_rows(logits.float(), targets[:chunk], V, CAP, HEAD_GRAD_SCALE,
+    g8_from_32 = ops.softcap_ce_rows(logits.float(), targets[:chunk], V, CAP, HEAD_GRAD_SCALE,
                                          grad_dtype=HEAD_GRAD_FP8)[1]
     same_rounding = (g8_from_32.view(torch.uint8) == g32.to(HEAD_GRAD_FP8).view(torch.uint8)).double().mean().item()
     compiled_q, eager_q = fp8_quantize(h), _quantize(h, HEAD_INPUT_FP8)

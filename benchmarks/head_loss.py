@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fp8_head import CAP, alternated_rounds, errors, head_problem, reference  # noqa: E402
 
-from creditlab import kernels  # noqa: E402
-from creditlab.loss import fused_head_loss  # noqa: E402
+from creditlab import ops  # noqa: E402
+from creditlab.ops.loss import fused_head_loss  # noqa: E402
 from creditlab.runtime import write_benchmark  # noqa: E402
 
 
@@ -37,7 +37,7 @@ def earlier_loop(h, weight, targets, vocab, chunk):
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     for start in range(0, n, chunk):
         hc = h[start:start + chunk]
-        rows, dlogits = kernels.softcap_ce_rows(hc @ w.t(), targets[start:start + chunk], vocab, CAP, 1.0 / n)
+        rows, dlogits = ops.softcap_ce_rows(hc @ w.t(), targets[start:start + chunk], vocab, CAP, 1.0 / n)
         total += rows.sum()
         grad_h[start:start + chunk] = dlogits @ w
         grad_w += (dlogits.t() @ hc).to(torch.float32)

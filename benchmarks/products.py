@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fp8_head import alternated_rounds  # noqa: E402
 
 from creditlab import config  # noqa: E402
-from creditlab.kernels import relu2_matmul as rm  # noqa: E402
+from creditlab.ops import relu2_matmul as rm  # noqa: E402
 from creditlab.runtime import gpu_benchmark_folder, largest_relative_error, write_benchmark  # noqa: E402
 
 KERNEL_TILES = {"128x256": rm.TileConfig(group_m=16),

@@ -17,9 +17,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from creditlab.kernels import qk_norm_rotary as kernels  # noqa: E402
+from creditlab.ops import qk_norm_rotary as kernels  # noqa: E402
 from creditlab.model import Rotary, norm  # noqa: E402
-from creditlab.qk_norm import qk_norm_rotary  # noqa: E402
+from creditlab.ops.qk_norm import qk_norm_rotary  # noqa: E402
 from creditlab.runtime import cuda_ms, gpu_benchmark_folder, largest_relative_error, write_benchmark  # noqa: E402
 
 

@@ -21,13 +21,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fp8_head import checked_paths, error_text, failure_rows, ratio_text, round_summary  # noqa: E402
 from qk_norm import attention_problem  # noqa: E402
 
-from creditlab.kernels import qk_norm_rotary as qk_kernels  # noqa: E402
-from creditlab.kernels import qkv_hopper  # noqa: E402
-from creditlab.kernels import qkv_rotary  # noqa: E402
-from creditlab.kernels import relu2_matmul as rm  # noqa: E402
-from creditlab.kernels._triton import multiprocessors  # noqa: E402
+from creditlab.ops import qk_norm_rotary as qk_kernels  # noqa: E402
+from creditlab.ops import qkv_hopper  # noqa: E402
+from creditlab.ops import qkv_rotary  # noqa: E402
+from creditlab.ops import relu2_matmul as rm  # noqa: E402
+from creditlab.ops._triton import multiprocessors  # noqa: E402
 from creditlab.model import Rotary, norm  # noqa: E402
-from creditlab.qk_norm import reference_forward  # noqa: E402
+from creditlab.ops.qk_norm import reference_forward  # noqa: E402
 from creditlab.runtime import write_benchmark  # noqa: E402
 
 TILES = [qkv_rotary.TileConfig(bm, heads, bk, group, stages, warps) for bm, heads, bk, group, stages, warps in

@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fp8_head import checked_paths, error_text, failure_rows, ratio_text, round_summary  # noqa: E402
 from relu2_mlp import mlp_problem  # noqa: E402
 
-from creditlab.kernels import relu2_hopper as hopper  # noqa: E402
-from creditlab.kernels._triton import multiprocessors  # noqa: E402
-from creditlab.kernels import relu2_matmul as rm  # noqa: E402
+from creditlab.ops import relu2_hopper as hopper  # noqa: E402
+from creditlab.ops._triton import multiprocessors  # noqa: E402
+from creditlab.ops import relu2_matmul as rm  # noqa: E402
 from creditlab.runtime import write_benchmark  # noqa: E402
 
 

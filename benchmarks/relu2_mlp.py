@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fp8_head import alternated_rounds  # noqa: E402
 
-from creditlab import relu2  # noqa: E402
-from creditlab.kernels import relu2_matmul as rm  # noqa: E402
+from creditlab.ops import relu2  # noqa: E402
+from creditlab.ops import relu2_matmul as rm  # noqa: E402
 from creditlab.runtime import cuda_ms, gpu_benchmark_folder, largest_relative_error, write_benchmark  # noqa: E402
 
 # The 128 x 256 x 64 tile with the epilogue in two halves is the only one whose derivative epilogue fits the

@@ -16,8 +16,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from creditlab import kernels  # noqa: E402
-from creditlab.loss import softcap_ce_rows as torch_rows  # noqa: E402
+from creditlab import ops  # noqa: E402
+from creditlab.ops.loss import softcap_ce_rows as torch_rows  # noqa: E402
 from creditlab.runtime import cuda_ms, gpu_benchmark_folder, largest_relative_error  # noqa: E402
 
 # (columns per step, warps, hardware tanh, pipeline stages of the row loop); 16,384 columns take a whole
@@ -60,7 +60,7 @@ def main() -> int:
     ms = cuda_ms(lambda: compiled(logits, targets, args.vocab, cap, scale), 20, warmup=1)
     results.append({"impl": "torch.compile", "ms": ms, "TB_per_s": gbytes / ms})
     for block, warps, fast, stages in CONFIGS:
-        run = lambda: kernels.softcap_ce_rows(logits, targets, args.vocab, cap, scale, block, warps,  # noqa: E731
+        run = lambda: ops.softcap_ce_rows(logits, targets, args.vocab, cap, scale, block, warps,  # noqa: E731
                                               fast, stages)
         rows, grad = run()
         err = largest_relative_error(grad, ref_grad)

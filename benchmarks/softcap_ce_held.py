@@ -20,9 +20,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from creditlab.kernels import softcap_ce  # noqa: E402
-from creditlab.kernels._triton import tl, triton  # noqa: E402
-from creditlab.loss import HEAD_GRAD_FP8, HEAD_GRAD_SCALE, softcap_ce_rows as torch_rows  # noqa: E402
+from creditlab.ops import softcap_ce  # noqa: E402
+from creditlab.ops._triton import tl, triton  # noqa: E402
+from creditlab.ops.loss import HEAD_GRAD_FP8, HEAD_GRAD_SCALE, softcap_ce_rows as torch_rows  # noqa: E402
 from creditlab.runtime import gpu_benchmark_folder, largest_relative_error, write_benchmark  # noqa: E402
 from fp8_head import alternated_rounds  # noqa: E402
 from softcap_ce import chunk_problem  # noqa: E402

@@ -23,12 +23,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from creditlab.attention_gate import gate_linear
-from creditlab.causal_attention import causal_attention
+from creditlab.ops.attention_gate import gate_linear
+from creditlab.ops.causal_attention import causal_attention
 from creditlab.config import ModelConfig
-from creditlab.loss import head_loss, head_loss_sum
-from creditlab.qk_norm import QKEpilogue
-from creditlab.relu2 import ReLU2, project_relu2
+from creditlab.ops.loss import head_loss, head_loss_sum
+from creditlab.ops.qk_norm import QKEpilogue
+from creditlab.ops.relu2 import ReLU2, project_relu2
 from creditlab.runtime import cast
 
 

@@ -70,8 +70,8 @@ def run(specs: list[str], jobs: int) -> int:
             checks_of(spec)
         except Exception:  # the spec's own process fails the same way, with the traceback in its line
             pass
-    for name in ("creditlab.model", "creditlab.loss", "creditlab.relu2", "creditlab.qk_norm",
-                 "creditlab.attention_gate", "creditlab.credit.teacher"):
+    for name in ("creditlab.model", "creditlab.ops.loss", "creditlab.ops.relu2", "creditlab.ops.qk_norm",
+                 "creditlab.ops.attention_gate", "creditlab.credit.teacher"):
         importlib.import_module(name)
     torch.set_num_threads(1)
     waiting, running, failed = list(enumerate(specs)), {}, 0

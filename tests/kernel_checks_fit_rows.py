@@ -1,11 +1,11 @@
-"""The teacher's rank-space kernel (creditlab/kernels/fit_rows.py) on the CPU through Triton's interpreter, against
+"""The teacher's rank-space kernel (creditlab/ops/fit_rows.py) on the CPU through Triton's interpreter, against
 float64: run by tests/kernel_checks.py, read by tests/test_kernels.py."""
 
 import functools
 
 import torch
 
-from creditlab import kernels
+from creditlab import ops
 
 
 def fit_rows_errors(tokens, d, r2, seed=0, wrong_gate_derivative=False):
@@ -13,7 +13,7 @@ def fit_rows_errors(tokens, d, r2, seed=0, wrong_gate_derivative=False):
     outputs, against the same quantities in float64; tokens not a multiple of a program's tokens, several
     programs. `wrong_gate_derivative` compares gate_grad with sigmoid's derivative taken as gate instead of
     gate (1 - gate)."""
-    from creditlab.kernels import fit_rows
+    from creditlab.ops import fit_rows
 
     tiles = fit_rows.FitTiles(rows=16, block_k=16, tiles=2, warps=4, stages=2)
     g = torch.Generator().manual_seed(seed)
@@ -45,9 +45,9 @@ def rank_space_fit_through_kernel():
     """teacher.rank_space_fit with the kernel (CPU float32 through the interpreter) against its op-by-op path in
     float64: every output, on a (B, T, d) correction."""
     from creditlab.credit import teacher
-    from creditlab.kernels import fit_rows
+    from creditlab.ops import fit_rows
 
-    available, tiles = kernels.available, fit_rows.DEFAULT_TILES
+    available, tiles = ops.available, fit_rows.DEFAULT_TILES
     launched = []
     real = fit_rows._run
     fit_rows._run = lambda *a, **k: launched.append(1) or real(*a, **k)
@@ -58,23 +58,23 @@ def rank_space_fit_through_kernel():
         true = torch.randn(B, T, d, generator=g)
         gate, code = torch.rand(B, T, r2, generator=g), torch.randn(B, T, r2, generator=g)
         decoder = torch.randn(d, r2, generator=g) * 0.3
-        kernels.available = lambda t: True
+        ops.available = lambda t: True
         fast = teacher.rank_space_fit(true, gate, code, decoder, 0.5, torch.float32, torch.float32)
-        kernels.available = lambda t: False
+        ops.available = lambda t: False
         ref = teacher.rank_space_fit(*(t.double() for t in (true, gate, code, decoder)), 0.5, torch.float64,
                                      torch.float64)
         errors = {name: ((a.double() - b).abs().max() / b.abs().max()).item()
                   for name, a, b in zip(teacher.RankSpaceFit._fields, fast, ref)}
         return {"errors": errors, "launched": len(launched)}
     finally:
-        kernels.available, fit_rows._run, fit_rows.DEFAULT_TILES = available, real, tiles
+        ops.available, fit_rows._run, fit_rows.DEFAULT_TILES = available, real, tiles
 
 
 def fit_rows_opcheck():
     """The teacher's fit_rows operator has a valid schema. (Its fake, which the compiler plans with, is its own
     body with the launch skipped, so its shapes are the real ones by construction; under the interpreter the
     fake check would run the kernel on fake tensors, so it is not run here.)"""
-    from creditlab.kernels import fit_rows
+    from creditlab.ops import fit_rows
 
     tiles, fit_rows.DEFAULT_TILES = fit_rows.DEFAULT_TILES, fit_rows.FitTiles(16, 16, 2, 4, 2)
     try:

@@ -1,4 +1,4 @@
-"""The one-pass QK-norm and rotary kernels (creditlab/kernels/qk_norm_rotary.py) on the CPU through Triton's
+"""The one-pass QK-norm and rotary kernels (creditlab/ops/qk_norm_rotary.py) on the CPU through Triton's
 interpreter, against the float64 model arithmetic: run by tests/kernel_checks.py, read by tests/test_kernels.py."""
 
 import functools
@@ -12,8 +12,8 @@ def qk_norm_rotary_errors(B, T, heads, hd, seed=0, wrong_eps=False, extra_column
     `wrong_eps` runs the kernel's forward with eps 1e-2 instead of the model's 1e-6. `extra_columns` > 0 hands the
     forward qkv as the leading columns of a wider NaN-padded product (the kernel reads such a view in place): a
     read past qkv's own columns would bring NaN into q, k or v."""
-    from creditlab import qk_norm
-    from creditlab.kernels import qk_norm_rotary as qk_kernels
+    from creditlab.ops import qk_norm
+    from creditlab.ops import qk_norm_rotary as qk_kernels
     from creditlab.model import Rotary, norm
 
     g = torch.Generator().manual_seed(seed)

@@ -1,4 +1,4 @@
-"""The Q/K/V product with QK-norm and rotary in its epilogue (creditlab/kernels/qkv_rotary.py) on the CPU through
+"""The Q/K/V product with QK-norm and rotary in its epilogue (creditlab/ops/qkv_rotary.py) on the CPU through
 Triton's interpreter, against the float64 product and model arithmetic: run by tests/kernel_checks.py, read by
 tests/test_kernels.py."""
 
@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from creditlab import kernels
+from creditlab import ops
 
 QKV_SMALL_TILES = dict(block_m=16, block_k=16, group_m=2, stages=2, warps=4)
 
@@ -16,8 +16,8 @@ def qkv_rotary_errors(B, T, heads, hd, d, heads_per_tile, seed=0, wrong_eps=Fals
     inputs, into NaN-poisoned outputs, against the float64 product followed by the plain model arithmetic (norm,
     then rotary); B T not a multiple of the tile's rows and d not of its K step, one or two heads a tile.
     `wrong_eps` runs the kernel with eps 1e-2 instead of the model's 1e-6."""
-    from creditlab import qk_norm
-    from creditlab.kernels import qkv_rotary
+    from creditlab.ops import qk_norm
+    from creditlab.ops import qkv_rotary
     from creditlab.model import Rotary, norm
 
     g = torch.Generator().manual_seed(seed)
@@ -45,13 +45,13 @@ def qkv_product_through_kernel():
     """The model's Q/K/V Function (qk_norm.product_norm_rotary) with its forward through the kernel (CPU float32,
     the interpreter) against the product and the plain QK-norm and rotary in float64: q, k, v and the gradients
     of n and W, whose backward runs the QK-norm's backward and the product's."""
-    from creditlab import qk_norm
-    from creditlab.kernels import qkv_rotary
+    from creditlab.ops import qk_norm
+    from creditlab.ops import qkv_rotary
     from creditlab.model import Rotary, norm
 
-    available, supported, launch = kernels.available, qkv_rotary.supported, qkv_rotary.qkv_norm_rotary
+    available, supported, launch = ops.available, qkv_rotary.supported, qkv_rotary.qkv_norm_rotary
     tiles, launched = qkv_rotary.DEFAULT_TILES, []
-    kernels.available = lambda t: True
+    ops.available = lambda t: True
     qkv_rotary.DEFAULT_TILES = qkv_rotary.TileConfig(heads_per_tile=2, **QKV_SMALL_TILES)
     qkv_rotary.supported = lambda x, w, heads: x.dtype == w.dtype == torch.float32  # the interpreter's dtype
     qkv_rotary.qkv_norm_rotary = lambda *a, **k: launched.append(1) or launch(*a, **k)
@@ -74,32 +74,32 @@ def qkv_product_through_kernel():
             errors[name] = ((a.double() - b).abs().max() / b.abs().max()).item()
         return {"errors": errors, "launched": len(launched)}
     finally:
-        kernels.available, qkv_rotary.supported, qkv_rotary.qkv_norm_rotary = available, supported, launch
+        ops.available, qkv_rotary.supported, qkv_rotary.qkv_norm_rotary = available, supported, launch
         qkv_rotary.DEFAULT_TILES = tiles
 
 
 def qkv_product_opcheck():
     """The Q/K/V product's operator declares its outputs truthfully, through the kernel and through the torch
     arithmetic."""
-    from creditlab import qk_norm
-    from creditlab.kernels import qkv_rotary
+    from creditlab.ops import qk_norm
+    from creditlab.ops import qkv_rotary
     from creditlab.model import Rotary
 
     g = torch.Generator().manual_seed(5)
     x, w = torch.randn(2, 19, 24, generator=g), torch.randn(96, 24, generator=g)
     rot = Rotary(16, 19, 10_000.0)
     out = {}
-    available, supported, tiles = kernels.available, qkv_rotary.supported, qkv_rotary.DEFAULT_TILES
+    available, supported, tiles = ops.available, qkv_rotary.supported, qkv_rotary.DEFAULT_TILES
     try:
         for through_kernel in (False, True):
-            kernels.available = lambda t, use=through_kernel: use
+            ops.available = lambda t, use=through_kernel: use
             qkv_rotary.supported = lambda x, w, heads: x.dtype == w.dtype == torch.float32
             qkv_rotary.DEFAULT_TILES = qkv_rotary.TileConfig(heads_per_tile=2, **QKV_SMALL_TILES)
             result = torch.library.opcheck(qk_norm.product_forward_op, (x, w, rot.cos, rot.sin, 2),
                                            test_utils=("test_schema", "test_faketensor"))
             out["kernel" if through_kernel else "torch"] = sorted(set(result.values()))
     finally:
-        kernels.available, qkv_rotary.supported, qkv_rotary.DEFAULT_TILES = available, supported, tiles
+        ops.available, qkv_rotary.supported, qkv_rotary.DEFAULT_TILES = available, supported, tiles
     return out
 
 

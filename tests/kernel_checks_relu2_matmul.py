@@ -1,12 +1,12 @@
-"""The fused MLP's Triton products (creditlab/kernels/relu2_matmul.py) on the CPU through Triton's interpreter,
+"""The fused MLP's Triton products (creditlab/ops/relu2_matmul.py) on the CPU through Triton's interpreter,
 against float64: run by tests/kernel_checks.py, read by tests/test_kernels.py."""
 
 import functools
 
 import torch
 
-from creditlab import kernels
-from creditlab.kernels import relu2_matmul
+from creditlab import ops
+from creditlab.ops import relu2_matmul
 
 SMALL_TILES = relu2_matmul.TileConfig(block_m=32, block_n=32, block_k=16, group_m=2, stages=2, warps=4)
 
@@ -40,11 +40,11 @@ def relu2_errors(M, K, N, subtiles, seed=0, reference_derivative=2.0):
 def fused_mlp_through_kernel():
     """relu2.expand_relu2 / project_relu2 with the kernel (CPU tensors through the interpreter) against the
     plain float64 MLP: output and every gradient, in float32."""
-    from creditlab import relu2
+    from creditlab.ops import relu2
 
-    available, supported, launch = kernels.available, relu2_matmul.supported, relu2_matmul._launch
+    available, supported, launch = ops.available, relu2_matmul.supported, relu2_matmul._launch
     launched = []
-    kernels.available = lambda t: True
+    ops.available = lambda t: True
     tiles = relu2_matmul.EXPAND_TILES, relu2_matmul.DGRAD_TILES
     relu2_matmul.EXPAND_TILES = relu2_matmul.DGRAD_TILES = SMALL_TILES
     relu2_matmul.supported = lambda a, b: a.dtype == b.dtype == torch.float32  # the interpreter's dtype
@@ -65,7 +65,7 @@ def fused_mlp_through_kernel():
             out[name] = ((a.double() - b).abs().max() / b.abs().max()).item()
         return {"errors": out, "epilogues_launched": sorted(launched)}
     finally:
-        kernels.available, relu2_matmul.supported, relu2_matmul._launch = available, supported, launch
+        ops.available, relu2_matmul.supported, relu2_matmul._launch = available, supported, launch
         relu2_matmul.EXPAND_TILES, relu2_matmul.DGRAD_TILES = tiles
 
 

@@ -1,4 +1,4 @@
-"""The head loss's soft-capped cross-entropy kernel (creditlab/kernels/softcap_ce.py) on the CPU through Triton's
+"""The head loss's soft-capped cross-entropy kernel (creditlab/ops/softcap_ce.py) on the CPU through Triton's
 interpreter, against float64 autograd: run by tests/kernel_checks.py, read by tests/test_kernels.py."""
 
 import functools
@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from creditlab import kernels, loss
+from creditlab import ops
+from creditlab.ops import loss
 
 
 def reference(logits, targets, vocab, cap, scale):
@@ -26,7 +27,7 @@ def kernel_errors(n, vocab, padded, block, spread, dtype, cap=15.0, ref_cap=None
         logits[:, vocab::2], logits[:, vocab + 1::2] = float("nan"), float("inf")
     targets = torch.randint(0, vocab, (n,), generator=g)
     targets[0], targets[-1] = 0, vocab - 1
-    rows, grad = kernels.softcap_ce_rows(logits, targets, vocab, cap, 0.25, block=block)
+    rows, grad = ops.softcap_ce_rows(logits, targets, vocab, cap, 0.25, block=block)
     ref_rows, ref_grad = reference(logits, targets, vocab, ref_cap or cap, 0.25)
     return {"loss_rel": ((rows.double() - ref_rows).abs() / ref_rows.abs()).max().item(),
             "grad_abs": (grad.double() - ref_grad).abs().max().item() / ref_grad.abs().max().item(),
@@ -65,7 +66,7 @@ def head_loss_errors():
     targets = torch.randint(0, 100, (50,), generator=g)
     out = {}
     for use_kernel in (False, True):
-        kernels.available = lambda t, use=use_kernel: use
+        ops.available = lambda t, use=use_kernel: use
         hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
         value = loss.head_loss(hh, ww, targets, 100, 15.0, 16)
         value.backward()
@@ -76,7 +77,7 @@ def head_loss_errors():
 
 def opcheck():
     """The fused head-loss operator, with its chunks through the kernel, declares its outputs truthfully."""
-    kernels.available = lambda t: True
+    ops.available = lambda t: True
     g = torch.Generator().manual_seed(2)
     h, w = torch.randn(12, 8, generator=g), torch.randn(64, 8, generator=g)
     targets = torch.randint(0, 60, (12,), generator=g)
@@ -96,7 +97,7 @@ def _(logits, targets, vocab, cap, scale):
     return logits.new_empty(logits.shape[0], dtype=torch.float32), torch.empty_like(logits)
 
 
-_KERNEL_ROWS = kernels.softcap_ce_rows
+_KERNEL_ROWS = ops.softcap_ce_rows
 
 
 def logits_shaped_kept_by_compiled_model(products_traced_op_by_op: bool) -> int:
@@ -107,11 +108,11 @@ def logits_shaped_kept_by_compiled_model(products_traced_op_by_op: bool) -> int:
     from creditlab import config
     from creditlab.model import GPT
 
-    kernels.available = lambda t: True
+    ops.available = lambda t: True
     real_op = loss.fused_head_loss
     if products_traced_op_by_op:  # the kernel as its own operator, the loop around it traced
         loss.fused_head_loss = real_op._init_fn
-        kernels.softcap_ce_rows = _softcap_ce_rows_op
+        ops.softcap_ce_rows = _softcap_ce_rows_op
     try:
         torch._dynamo.reset()
         torch.manual_seed(0)
@@ -134,7 +135,7 @@ def logits_shaped_kept_by_compiled_model(products_traced_op_by_op: bool) -> int:
         return len(set(found))
     finally:
         loss.fused_head_loss = real_op
-        kernels.softcap_ce_rows = _KERNEL_ROWS
+        ops.softcap_ce_rows = _KERNEL_ROWS
 
 
 CHECKS = {

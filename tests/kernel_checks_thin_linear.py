@@ -1,11 +1,11 @@
-"""The attention gate's thin products (creditlab/kernels/thin_linear.py) on the CPU through Triton's interpreter,
+"""The attention gate's thin products (creditlab/ops/thin_linear.py) on the CPU through Triton's interpreter,
 against float64: run by tests/kernel_checks.py, read by tests/test_kernels.py."""
 
 import functools
 
 import torch
 
-from creditlab import kernels
+from creditlab import ops
 
 
 def thin_linear_errors(tokens, width, K, N, seed=0, rows=32, drop_partials=False):
@@ -13,7 +13,7 @@ def thin_linear_errors(tokens, width, K, N, seed=0, rows=32, drop_partials=False
     channels of a wider NaN-padded tensor (read in place, as the gate reads the branch input), into NaN-poisoned
     outputs, against float64: y = x w^T, dx = dy w, dw = dy^T x; tokens not a multiple of the block's rows, K and
     N not powers of two. `drop_partials` compares dw against the sum of all partial blocks but the last."""
-    from creditlab.kernels import thin_linear
+    from creditlab.ops import thin_linear
 
     g = torch.Generator().manual_seed(seed)
     wide = torch.randn(tokens, width, generator=g)
@@ -38,12 +38,12 @@ def attention_gate_through_kernel():
     """The model's attention-gate Function (attention_gate.gate_linear) with both passes through the kernels (CPU
     float32, the interpreter) against F.linear in float64, on a slice of the leading channels as the model takes
     it: y and the gradients of the whole input and of W."""
-    from creditlab import attention_gate
-    from creditlab.kernels import thin_linear
+    from creditlab.ops import attention_gate
+    from creditlab.ops import thin_linear
 
-    available, launched = kernels.available, []
+    available, launched = ops.available, []
     forward, backward = thin_linear.thin_forward, thin_linear.thin_backward
-    kernels.available = lambda t: True
+    ops.available = lambda t: True
     thin_linear.thin_forward = lambda *a, **k: launched.append("forward") or forward(*a, **k)
     thin_linear.thin_backward = lambda *a, **k: launched.append("backward") or backward(*a, **k)
     try:
@@ -60,26 +60,26 @@ def attention_gate_through_kernel():
                   for name, a, b in zip(("y", "n", "w"), (y, *grads), (y64, *ref))}
         return {"errors": errors, "launched": launched}
     finally:
-        kernels.available, thin_linear.thin_forward, thin_linear.thin_backward = available, forward, backward
+        ops.available, thin_linear.thin_forward, thin_linear.thin_backward = available, forward, backward
 
 
 def attention_gate_opcheck():
     """The gate's two operators declare their outputs truthfully, through the kernels and the torch arithmetic."""
-    from creditlab import attention_gate
+    from creditlab.ops import attention_gate
 
     g = torch.Generator().manual_seed(8)
     n, w, dy = torch.randn(2, 19, 24, generator=g), torch.randn(4, 12, generator=g), torch.randn(2, 19, 4, generator=g)
     x = n[..., :12]
-    out, available = {}, kernels.available
+    out, available = {}, ops.available
     try:
         for through_kernel in (False, True):
-            kernels.available = lambda t, use=through_kernel: use
+            ops.available = lambda t, use=through_kernel: use
             results = [torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
                        for op, args in ((attention_gate.thin_linear_op, (x, w)),
                                         (attention_gate.thin_linear_backward_op, (dy, x, w)))]
             out["kernel" if through_kernel else "torch"] = sorted({v for r in results for v in r.values()})
     finally:
-        kernels.available = available
+        ops.available = available
     return out
 
 

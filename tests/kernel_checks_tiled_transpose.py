@@ -1,4 +1,4 @@
-"""The FP8 head's tiled transpose (creditlab/kernels/tiled_transpose.py) on the CPU through Triton's interpreter:
+"""The FP8 head's tiled transpose (creditlab/ops/tiled_transpose.py) on the CPU through Triton's interpreter:
 run by tests/kernel_checks.py, read by tests/test_kernels.py."""
 
 import functools
@@ -9,7 +9,7 @@ import torch
 def transpose_checks(rows, cols, seed=0):
     """The tiled transpose of a one-byte matrix into a poisoned output: exact, against torch's, and against the
     untransposed matrix read as (cols, rows) (what a kernel that copied without transposing would give)."""
-    from creditlab.kernels import tiled_transpose
+    from creditlab.ops import tiled_transpose
 
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, 255, (rows, cols), dtype=torch.uint8, generator=g).view(torch.float8_e5m2)

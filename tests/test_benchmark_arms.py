@@ -304,7 +304,7 @@ def test_the_fp8_benchmarks_references_agree_with_the_head_they_judge():
     its exact one what the plain head computes, and the two references differ (each comparison can fail)."""
     import torch
 
-    from creditlab.loss import fused_head_loss
+    from creditlab.ops.loss import fused_head_loss
 
     bench = load("fp8_head")
     g = torch.Generator().manual_seed(0)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from creditlab.causal_attention import causal_attention
+from creditlab.ops.causal_attention import causal_attention
 
 
 def _inputs(seed=0):

@@ -144,7 +144,7 @@ def test_qk_norm_in_the_qkv_products_epilogue_gives_every_sources_gradients(name
     """QK-norm and rotary inside the Q/K/V product (whose backward runs the QK-norm's backward and then the
     product's) against QK-norm and rotary op by op after it, float64: every trunk gradient to 1e-12, under every
     way a credit context forms that product."""
-    from creditlab import qk_norm
+    from creditlab.ops import qk_norm
 
     make = dict(_qk_product_credits())[name]
     calls, original = [], qk_norm.QKEpilogue.product
@@ -160,7 +160,7 @@ def test_qk_norm_in_the_qkv_products_epilogue_gives_every_sources_gradients(name
 def test_the_one_pass_attention_gate_gives_the_same_gradients(name, monkeypatch):
     """The attention gate's product through attention_gate.py's Function against F.linear (op by op), float64:
     every trunk gradient to 1e-12 under exact backprop, zero and learned; the Function ran at every layer."""
-    from creditlab import attention_gate
+    from creditlab.ops import attention_gate
 
     make = dict(_qk_product_credits())[name]
     calls, original = [], attention_gate._ThinLinear.apply
@@ -173,7 +173,7 @@ def test_the_one_pass_attention_gate_gives_the_same_gradients(name, monkeypatch)
 def test_the_qkv_products_backward_wiring_is_checked():
     """The comparison above can fail: a backward that drops n's gradient (as if every product were omitted) or
     hands W another gradient changes the native trunk gradients."""
-    from creditlab import qk_norm
+    from creditlab.ops import qk_norm
 
     cfg = SMALL
     model = checks.randomized_model(cfg, 0)

@@ -16,7 +16,7 @@ from creditlab.credit.fdfa import MOMENTUM, FDFASource, directional_derivative, 
 from creditlab.credit.sources import BranchInputCredit, InjectCredit
 from creditlab.data import SyntheticLoader
 from creditlab.model import ExactCredit
-from creditlab.relu2 import ReLU2
+from creditlab.ops.relu2 import ReLU2
 from creditlab.train import Trainer
 
 # 8 layers, 16 branches, every parameter kind, the fused modules: the pass runs them op by op

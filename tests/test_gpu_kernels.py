@@ -33,11 +33,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from creditlab import attention_gate, kernels, loss, qk_norm, relu2
+from creditlab import ops
+from creditlab.ops import attention_gate, loss, qk_norm, relu2
 from creditlab.config import CreditConfig, ModelConfig
 from creditlab.credit import teacher
-from creditlab.kernels import qkv_hopper, qkv_rotary, relu2_hopper, relu2_matmul
-from creditlab.kernels._triton import triton
+from creditlab.ops import qkv_hopper, qkv_rotary, relu2_hopper, relu2_matmul
+from creditlab.ops._triton import triton
 
 # One rounding to bf16 (8 significant bits, to nearest) moves a value by at most 2^-8 of itself, so by at most
 # 2^-8 of an output's largest value: the unit of the bounds. float32 arithmetic and accumulation (2^-24 an
@@ -210,11 +211,11 @@ def compare_softcap_ce(device, dtype, shapes: Shapes, fp8: bool = False) -> Comp
     errors = {"loss": error(rows, want_rows), "grad": error(grad, want_grad)}
     controls = {"targets moved one column": {"loss": error(rows, wrong_rows), "grad": error(grad, wrong_grad)}}
     return Comparison("softcap_ce (fp8 gradient)" if fp8 else "softcap_ce", errors, bounds, controls,
-                      rows_fn is kernels.softcap_ce_rows)
+                      rows_fn is ops.softcap_ce_rows)
 
 
 def compare_transpose(device, dtype, shapes: Shapes) -> Comparison:
-    """The FP8 head's tiled transpose (kernels/tiled_transpose.py, through kernels.transpose) of the three matrices
+    """The FP8 head's tiled transpose (kernels/tiled_transpose.py, through ops.transpose) of the three matrices
     it transposes in a step: the chunk's e5m2 logits gradient, and h and W in e4m3. A transpose moves bytes: exact
     (bound 0), each error the share of bytes that differ."""
     g = _generator(1)
@@ -224,8 +225,8 @@ def compare_transpose(device, dtype, shapes: Shapes) -> Comparison:
     errors, untransposed, takes = {}, {}, True
     for name, (shape, fp8) in matrices.items():
         x = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).view(fp8).to(device)
-        takes &= kernels.available(x)
-        got = kernels.transpose(x).view(torch.uint8).cpu().numpy()
+        takes &= ops.available(x)
+        got = ops.transpose(x).view(torch.uint8).cpu().numpy()
         byte_rows = x.view(torch.uint8).cpu().numpy()
         errors[name] = (got != byte_rows.T).mean().item()  # numpy's transpose of the bytes, on the host
         # a copy that did not transpose: the bytes in their own order, read as (cols, rows)
@@ -295,7 +296,7 @@ def compare_qkv_rotary(device, dtype, shapes: Shapes, kernel: str | None = None)
     kernels/qkv_rotary.py, gluon: kernels/qkv_hopper.py), or the model's operator (qk_norm.product_forward_op)."""
     x, w, cos, sin = _qkv_operands(device, dtype, shapes)
     heads, T, M, W = shapes.heads, shapes.seq, shapes.tokens, shapes.width
-    op, takes = {None: (_product_through_the_op, kernels.available(x) and qkv_rotary.supported(x, w, heads)),
+    op, takes = {None: (_product_through_the_op, ops.available(x) and qkv_rotary.supported(x, w, heads)),
                  "triton": (qkv_rotary.qkv_norm_rotary, qkv_rotary.supported(x, w, heads)),
                  "gluon": (qkv_hopper.qkv_norm_rotary, qkv_hopper.supported(x, w, heads))}[kernel]
     qkv, scales = op(x, w, cos, sin, heads, T, EPS)

@@ -57,7 +57,7 @@ class KernelChecks:
             self.lines[record["spec"]] = record
         record = self.lines[spec]
         kernel, _, part = spec.partition(":")
-        assert record["returncode"] == 0, (f"the checks of creditlab/kernels/{kernel}.py{f' ({part})' if part else ''}"
+        assert record["returncode"] == 0, (f"the checks of creditlab/ops/{kernel}.py{f' ({part})' if part else ''}"
                                            f" failed:\n{record['stderr']}")
         return record["report"]
 
@@ -124,13 +124,14 @@ def fit_rows(checks):
 def test_every_kernel_file_has_its_checks():
     # the Gluon files have no interpreter: their kernels are compiled for sm_90 below and checked on a GPU
     # (tests/test_gpu_kernels.py)
-    kernels = {p.stem for p in (HERE.parent / "creditlab" / "kernels").glob("*.py") if not p.stem.startswith("_")}
+    kernels = {p.stem for p in (HERE.parent / "creditlab" / "ops").glob("*.py")  # the files that define a kernel
+               if "@triton.jit" in p.read_text() or "@gluon.jit" in p.read_text()}
     checked = {p.stem.removeprefix("kernel_checks_") for p in HERE.glob("kernel_checks_*.py")}
     assert checked == {spec.partition(":")[0] for spec in PROCESSES.values()}
     assert kernels == checked | {"relu2_hopper", "qkv_hopper"}, kernels ^ (checked | {"relu2_hopper", "qkv_hopper"})
 
 
-# creditlab/kernels/softcap_ce.py
+# creditlab/ops/softcap_ce.py
 
 @pytest.mark.parametrize("case", ["one_block", "many_blocks", "saturated", "near_zero"])
 def test_softcap_ce_matches_autograd_in_float32(softcap_ce, case):
@@ -182,7 +183,7 @@ def test_the_compiled_model_keeps_no_chunk_of_logits_for_the_backward(compiled_h
     assert compiled_head["logits_kept_op_by_op"] == 2, compiled_head
 
 
-# creditlab/kernels/tiled_transpose.py
+# creditlab/ops/tiled_transpose.py
 
 @pytest.mark.parametrize("case", ["transpose_partial", "transpose_one_tile"])
 def test_the_tiled_transpose_is_exact_and_writes_every_element(tiled_transpose, case):
@@ -191,7 +192,7 @@ def test_the_tiled_transpose_is_exact_and_writes_every_element(tiled_transpose, 
     assert not r["equals_untransposed"], r  # a copy that did not transpose fails the same comparison
 
 
-# creditlab/kernels/relu2_matmul.py
+# creditlab/ops/relu2_matmul.py
 
 @pytest.mark.parametrize("case", ["relu2_even", "relu2_partial", "relu2_one_subtile"])
 def test_relu2_matmul_kernels_match_float64_and_write_every_element(relu2_matmul, case):
@@ -212,7 +213,7 @@ def test_the_fused_mlp_through_the_kernels_matches_the_float64_mlp(relu2_matmul)
     assert max(r["errors"].values()) < 1e-5, r
 
 
-# creditlab/kernels/qk_norm_rotary.py
+# creditlab/ops/qk_norm_rotary.py
 
 @pytest.mark.parametrize("case", ["qk_even", "qk_partial_rows", "qk_strided_rows"])
 def test_qk_norm_rotary_kernels_match_the_float64_model_and_write_every_element(qk_norm_rotary, case):
@@ -226,7 +227,7 @@ def test_the_qk_comparison_fails_for_another_epsilon(qk_norm_rotary):
     assert min(r["q"], r["k"], r["dqkv"]) > 1e-4, r
 
 
-# creditlab/kernels/qkv_rotary.py
+# creditlab/ops/qkv_rotary.py
 
 @pytest.mark.parametrize("case", ["qkv_two_heads_a_tile", "qkv_one_head_a_tile", "qkv_odd_heads"])
 def test_the_qkv_product_with_qk_norm_in_its_epilogue_matches_float64_and_writes_every_element(qkv_rotary, case):
@@ -250,7 +251,7 @@ def test_the_qkv_product_operator_declares_its_outputs_truthfully(qkv_rotary):
     assert qkv_rotary["qkv_opcheck"] == {"torch": ["SUCCESS"], "kernel": ["SUCCESS"]}, qkv_rotary["qkv_opcheck"]
 
 
-# creditlab/kernels/thin_linear.py
+# creditlab/ops/thin_linear.py
 
 @pytest.mark.parametrize("case", ["thin_linear_gate", "thin_linear_odd", "thin_linear_one_block"])
 def test_the_thin_products_kernels_match_float64_and_write_every_element(thin_linear, case):
@@ -275,7 +276,7 @@ def test_the_attention_gate_operators_declare_their_outputs_truthfully(thin_line
         thin_linear["attention_gate_opcheck"]
 
 
-# creditlab/kernels/fit_rows.py
+# creditlab/ops/fit_rows.py
 
 @pytest.mark.parametrize("case", ["fit_rows", "fit_rows_one_program"])
 def test_fit_rows_kernel_matches_float64_and_writes_every_element(fit_rows, case):
@@ -304,8 +305,8 @@ def test_the_fit_rows_operator_declares_its_shapes_truthfully(fit_rows):
 def _hopper_cases():
     """(kernel, its arguments' types in order, constants, warps) at the seed shape, for the Triton kernels the step
     runs on Hopper; a TMA descriptor typed as the launch's host-built TensorDescriptor types it."""
-    from creditlab.kernels import fit_rows, qk_norm_rotary as qk, softcap_ce, tiled_transpose
-    from creditlab.kernels import qkv_rotary as qkv, relu2_matmul as mlp, thin_linear as thin
+    from creditlab.ops import fit_rows, qk_norm_rotary as qk, softcap_ce, tiled_transpose
+    from creditlab.ops import qkv_rotary as qkv, relu2_matmul as mlp, thin_linear as thin
 
     qkv_tiles, tiles, expand = qkv.DEFAULT_TILES, fit_rows.DEFAULT_TILES, mlp.EXPAND_TILES
     epilogue_block = f"tensordesc<bf16[{expand.block_m}, {expand.block_n // expand.subtiles}]>"
@@ -403,7 +404,7 @@ def _compile_gluon(kernel, signature: dict, constants: dict, warps: int):
 def _compile_gluon_dgrad(stages: int):
     """The fused MLP's Gluon derivative product (kernels/relu2_hopper.py, the one the step runs: relu2.py) at the
     seed shape's constants (131,072 tokens, 512 -> 2,048)."""
-    from creditlab.kernels import relu2_hopper as hopper
+    from creditlab.ops import relu2_hopper as hopper
 
     bm, bn, bk = hopper.BLOCK_M, hopper.BLOCK_N, hopper.BLOCK_K
     constants = {"K_STEPS": 512 // bk, "B_IS_KN": True, "EPILOGUE": hopper.EPILOGUE_RELU2_GRAD, "POST_STEP": 3,
@@ -417,7 +418,7 @@ def _compile_gluon_dgrad(stages: int):
 def _compile_gluon_qkv(stages: int, heads_per_tile: int = 2):
     """The Gluon Q/K/V product with QK-norm and rotary in its epilogue (kernels/qkv_hopper.py) at the seed shape's
     constants (512 -> 3 x 512, 4 heads of 128), tiles one or two heads wide."""
-    from creditlab.kernels import qkv_hopper
+    from creditlab.ops import qkv_hopper
 
     bm, bk, bn = qkv_hopper.BLOCK_M, qkv_hopper.BLOCK_K, 128 * heads_per_tile
     constants = {"WIDTH": 512, "HD": 128, "K_STEPS": 512 // bk, "STAGES": stages, "GROUP": qkv_hopper.GROUP_M,
@@ -474,8 +475,8 @@ def test_the_qkv_product_reaches_the_gluon_kernel_where_it_takes_the_operands(mo
     """The Q/K/V product goes to kernels/qkv_hopper.py where that kernel takes the operands (qkv_hopper.supported:
     Hopper with Gluon, tokens a whole number of tiles) and nowhere else; on this CPU the Gluon kernel takes
     nothing."""
-    from creditlab import qk_norm
-    from creditlab.kernels import qkv_hopper
+    from creditlab.ops import qk_norm
+    from creditlab.ops import qkv_hopper
     from creditlab.model import Rotary
 
     g = torch.Generator().manual_seed(0)
@@ -506,8 +507,8 @@ def test_the_product_operators_count_the_flops_of_the_products_they_replace():
     and the attention gate's passes as it sees the F.linear they stand in for, forward and backward."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from creditlab import qk_norm
-    from creditlab.attention_gate import gate_linear
+    from creditlab.ops import qk_norm
+    from creditlab.ops.attention_gate import gate_linear
     from creditlab.model import Rotary
 
     g = torch.Generator().manual_seed(0)

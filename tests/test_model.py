@@ -338,7 +338,7 @@ def test_the_compiled_model_gives_the_eager_gradients(op_by_op):
 
 def test_the_fused_modules_operators_declare_their_outputs_truthfully():
     # what the compiler is told of each operator (its fake implementation) is what the operator returns
-    from creditlab import qk_norm, relu2
+    from creditlab.ops import qk_norm, relu2
 
     g = torch.Generator().manual_seed(0)
     x, w, w_kn = torch.randn(6, 8, generator=g), torch.randn(10, 8, generator=g), torch.randn(8, 10, generator=g)

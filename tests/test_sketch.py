@@ -19,8 +19,8 @@ from creditlab.credit.sources import ZeroSource
 from creditlab.data import SyntheticLoader
 from creditlab.flops import sketch_cost
 from creditlab.model import ExactCredit
-from creditlab.qk_norm import QKEpilogue
-from creditlab.relu2 import expand_relu2_values
+from creditlab.ops.qk_norm import QKEpilogue
+from creditlab.ops.relu2 import expand_relu2_values
 from creditlab.train import Trainer
 from tests.test_credit import CountMatmuls, train_eager_and_compiled
 

@@ -120,16 +120,16 @@ def test_each_parameter_is_judged_against_the_plain_steps_level(compiled, eager,
 
 
 def test_the_plain_step_runs_without_the_kernels(aot_eager, monkeypatch):
-    from creditlab import kernels
+    from creditlab import ops
 
     class OnCuda:
         is_cuda = True
 
     monkeypatch.setattr(kernels, "triton", object())  # a machine with Triton, a tensor on CUDA
-    assert kernels.available(OnCuda())
-    with kernels.off():
-        assert not kernels.available(OnCuda())
-    assert kernels.available(OnCuda())
+    assert ops.available(OnCuda())
+    with ops.off():
+        assert not ops.available(OnCuda())
+    assert ops.available(OnCuda())
 
     def op_by_op(model) -> bool:
         return all(m.op_by_op for m in model.modules() if isinstance(getattr(m, "op_by_op", None), bool))
@@ -137,7 +137,7 @@ def test_the_plain_step_runs_without_the_kernels(aot_eager, monkeypatch):
     seen = []
     gradients = step_check.gradients
     monkeypatch.setattr(step_check, "gradients", lambda trainer, *args: (
-        seen.append((op_by_op(trainer.model), trainer.runtime.device.type, kernels._off)), gradients(trainer, *args))[1])
+        seen.append((op_by_op(trainer.model), trainer.runtime.device.type, ops._off)), gradients(trainer, *args))[1])
     step_check.check_step("tiny", [*TINY, "credit.source=exact"], say=lambda line: None)
     # compiled, eager, plain, reference: the plain step and the reference op by op, and only the plain step (on the
     # step's own device) with our kernels off

@@ -32,7 +32,7 @@ import warnings
 import torch
 
 from creditlab import config as config_mod
-from creditlab import kernels
+from creditlab import ops
 from creditlab.checks import randomize_, relative_error
 from creditlab.data import SyntheticLoader
 
@@ -131,7 +131,7 @@ def check_step(preset: str, overrides, micro_batch: int = 2, seed: int = 0, say=
                     if plain:
                         stack.enter_context(trainer.model.op_by_op())
                     if way == "plain":
-                        stack.enter_context(kernels.off())
+                        stack.enter_context(ops.off())
                     grads[way] = gradients(trainer, inputs, targets, kind)
         reference = grads["reference"]
         # what the reference computes and a step left out counts as zeros

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from creditlab.config import Config
 from creditlab.credit.sources import CreditSource
 from creditlab.model import ExactCredit, GPT
-from creditlab.qk_norm import QKEpilogue
-from creditlab.relu2 import ReLU2, expand_relu2_values
+from creditlab.ops.qk_norm import QKEpilogue
+from creditlab.ops.relu2 import ReLU2, expand_relu2_values
 
 
 class _SketchedLinear(torch.autograd.Function):

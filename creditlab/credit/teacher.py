@@ -25,9 +25,10 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from creditlab import kernels, runtime as rt
+from creditlab import runtime as rt
+from creditlab import ops
 from creditlab.config import CreditConfig
-from creditlab.kernels import fit_rows
+from creditlab.ops import fit_rows
 from creditlab.model import ExactCredit
 
 STATS = ("weighted_sq_error", "pred_dot_true", "pred_sq", "true_sq")
@@ -87,7 +88,7 @@ def rank_space_fit(true: torch.Tensor, gate: torch.Tensor, code: torch.Tensor, d
 
     Everything is done in rank space: with M = D^T D, |pred|^2 = sum gated M gated and
     <pred, c> = sum gated (c D). The (B, T, d) prediction and residual are never formed. `fused` on CUDA: one
-    kernel reads c once for c D and |c|^2 and does the token-wise rest on chip (kernels/fit_rows.py); c^T gated is
+    kernel reads c once for c D and |c|^2 and does the token-wise rest on chip (ops/fit_rows.py); c^T gated is
     a product of its own. Otherwise the same arithmetic op by op, which reads c three times."""
     D = decoder.to(acc)
     gram_weights = D.t() @ D  # M (2r, 2r)
@@ -122,7 +123,7 @@ def rank_space_fit(true: torch.Tensor, gate: torch.Tensor, code: torch.Tensor, d
 
 
 def _fit_kernel_takes(true: torch.Tensor, code: torch.Tensor, acc: torch.dtype, mm: torch.dtype) -> bool:
-    return kernels.available(true) and acc == torch.float32 and fit_rows.takes(true.shape[-1], code.shape[-1], mm)
+    return ops.available(true) and acc == torch.float32 and fit_rows.takes(true.shape[-1], code.shape[-1], mm)
 
 
 class _FitBranch(torch.autograd.Function):
@@ -266,7 +267,7 @@ class Teacher(Teaching):
         self.module, self.decoders = module, decoders
         self.optimizer = torch.optim.Adam(module.parameters(), lr=cfg.predictor_lr, betas=(0.9, 0.99))
         # the fit's products over (B, T, d) in the gradient's dtype (bf16 under autocast, float32 sums); each
-        # branch's token-wise regression in one Triton pass on CUDA where it takes the shapes (kernels/fit_rows.py).
+        # branch's token-wise regression in one Triton pass on CUDA where it takes the shapes (ops/fit_rows.py).
         # Off (the step check's plain reference): float32 or wider, op by op.
         self.low_precision = self.fused = True
         self.stats: list[torch.Tensor] = []

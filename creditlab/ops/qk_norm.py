@@ -7,11 +7,11 @@ contiguously, and the backward one pass that writes the projection's output grad
 q and k (which attention keeps anyway: the same tensors) and one float32 scale per token and head, and recovers
 the normalized q and k from the rotated ones by rotating back (R^T R = (cos^2 + sin^2) I, divided out).
 
-On CUDA the passes are Triton kernels (kernels/qk_norm_rotary.py); elsewhere the torch arithmetic of the same
+On CUDA the passes are Triton kernels (ops/qk_norm_rotary.py); elsewhere the torch arithmetic of the same
 formulas, so the backward's formula is checked against autograd in float64 on the CPU.
 
 In the model the forward pass is not a pass of its own: the Q/K/V product normalizes and rotates each tile
-before it stores it (kernels/qkv_rotary.py; on Hopper, where the tokens are whole tiles, kernels/qkv_hopper.py),
+before it stores it (ops/qkv_rotary.py; on Hopper, where the tokens are whole tiles, ops/qkv_hopper.py),
 so the product's output is never written or read again (`product_norm_rotary`). Its backward is the same one
 pass, then the product's own backward. A credit source that replaces the product's backward (the sketch)
 applies `QKEpilogue.after` to the product it forms instead: the same function, in a pass of its own.
@@ -24,9 +24,9 @@ import math
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
-from creditlab import kernels
-from creditlab.kernels import qk_norm_rotary as qk_kernels
-from creditlab.kernels import qkv_hopper, qkv_rotary
+from creditlab import ops
+from creditlab.ops import qk_norm_rotary as qk_kernels
+from creditlab.ops import qkv_hopper, qkv_rotary
 
 EPS = 1e-6  # as model.norm
 
@@ -66,7 +66,7 @@ def reference_backward(dq, dk, dv, q, k, scales, cos, sin):
 
 
 def _kernel_takes(t: torch.Tensor) -> bool:
-    return kernels.available(t) and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    return ops.available(t) and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
 
 
 @torch.library.custom_op("creditlab::qk_norm_rotary_forward", mutates_args=())
@@ -135,7 +135,7 @@ def product_forward_op(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin:
     if qkv_hopper.supported(rows, w, heads):
         qkv, scales = qkv_hopper.qkv_norm_rotary(rows, w, cos, sin, heads, T, EPS)
         return qkv.view(3, B, T, heads, hd), scales.view(B, T, 2, heads)
-    if kernels.available(x) and qkv_rotary.supported(rows, w, heads):
+    if ops.available(x) and qkv_rotary.supported(rows, w, heads):
         qkv, scales = qkv_rotary.qkv_norm_rotary(rows, w, cos, sin, heads, T, EPS)
         return qkv.view(3, B, T, heads, hd), scales.view(B, T, 2, heads)
     q, k, v, scales = forward_op(x @ w.t(), cos, sin, heads)
@@ -162,7 +162,7 @@ class _ProductNormRotary(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, n, weight, cos, sin, heads: int):
-        dtype = kernels.compute_dtype(n)
+        dtype = ops.compute_dtype(n)
         x, w = n.to(dtype), weight.to(dtype)
         qkv, scales = product_forward_op(x, w, cos, sin, heads)
         q, k, v = qkv.unbind(0)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from creditlab.kernels._triton import tl, triton
+from creditlab.ops._triton import tl, triton
 
 # Tokens per program (a program handles one head of them) and warps: among the fastest at the seed shape on an
 # H200 for both kernels (benchmarks/results/qk_norm_tiles_seed.txt).

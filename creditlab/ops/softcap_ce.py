@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from creditlab.kernels._triton import tl, triton
+from creditlab.ops._triton import tl, triton
 
 DEFAULT_BLOCK, DEFAULT_WARPS, DEFAULT_STAGES = 1024, 4, 1  # fastest at the seed shape (benchmarks/softcap_ce.md)
 

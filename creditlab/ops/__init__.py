@@ -1,8 +1,12 @@
-"""Triton kernels, for the few places where a measured gap demands one.
+"""The model's fused operators, each beside the kernels it runs (Triton, and Gluon on Hopper), written only where a
+measured gap demanded one: the MLP with ReLU^2 in its products (relu2.py), QK-norm and rotary in the Q/K/V
+product's epilogue (qk_norm.py), the attention gate's thin product (attention_gate.py), the head's soft-capped
+cross-entropy (loss.py), and a teacher's fit of one branch (fit_rows.py).
 
-Each kernel runs on CUDA tensors, and under TRITON_INTERPRET=1 on CPU tensors, which is how the tests check
-it against float64 arithmetic without a GPU (tests/kernel_checks.py). Callers choose the kernel only where
-`available` says so and keep the torch arithmetic as the path everywhere else.
+Each Triton kernel runs on CUDA tensors, and under TRITON_INTERPRET=1 on CPU tensors, which is how the tests check
+it against float64 arithmetic without a GPU (tests/kernel_checks_<kernel>.py); the Gluon kernels are compiled for
+sm_90 on the CPU and checked on a GPU (tests/test_gpu_kernels.py). Callers choose a kernel only where `available`
+says so and keep the torch arithmetic as the path everywhere else.
 """
 
 from __future__ import annotations
@@ -11,9 +15,9 @@ import contextlib
 
 import torch
 
-from creditlab.kernels._triton import triton
-from creditlab.kernels import tiled_transpose
-from creditlab.kernels.softcap_ce import softcap_ce_rows
+from creditlab.ops._triton import triton
+from creditlab.ops import tiled_transpose
+from creditlab.ops.softcap_ce import softcap_ce_rows
 
 __all__ = ["available", "compute_dtype", "off", "softcap_ce_rows", "transpose"]
 
@@ -45,6 +49,6 @@ def compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def transpose(x: torch.Tensor) -> torch.Tensor:
-    """x.t().contiguous() of a one-byte matrix: by tiles in Triton on CUDA (kernels/tiled_transpose.py), torch's copy
+    """x.t().contiguous() of a one-byte matrix: by tiles in Triton on CUDA (ops/tiled_transpose.py), torch's copy
     elsewhere."""
     return tiled_transpose.transpose(x) if available(x) else x.t().contiguous()

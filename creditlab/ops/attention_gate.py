@@ -4,7 +4,7 @@ A product of 12 channels into 4 per token is too thin for the tensor cores: cuBL
 forward, the input gradient and the weight gradient, the last split along the tokens with a reduction after it) of
 16-23 us each on a few megabytes per gate and micro-batch, about 1.8 ms of a seed update
 (benchmarks/results/profile_native_products_seed.md). Here one Triton pass computes the forward and one the input
-gradient with the weight gradient's partial sums (kernels/thin_linear.py). Written instead as an elementwise sum
+gradient with the weight gradient's partial sums (ops/thin_linear.py). Written instead as an elementwise sum
 the compiler fused the weight gradient into a far slower reduction (benchmarks/native_seed.md), so these passes
 stay operators of their own.
 
@@ -19,8 +19,8 @@ import math
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
-from creditlab import kernels
-from creditlab.kernels import thin_linear
+from creditlab import ops
+from creditlab.ops import thin_linear
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -31,7 +31,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _kernel_takes(rows: torch.Tensor, w: torch.Tensor) -> bool:
-    return kernels.available(rows) and thin_linear.supported(rows, w)
+    return ops.available(rows) and thin_linear.supported(rows, w)
 
 
 @torch.library.custom_op("creditlab::thin_linear", mutates_args=())
@@ -79,7 +79,7 @@ def _backward_flops(dy_shape, x_shape, w_shape, *args, out_shape=None, **kwargs)
 class _ThinLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight):
-        dtype = kernels.compute_dtype(x)
+        dtype = ops.compute_dtype(x)
         xc, w = x.to(dtype), weight.to(dtype)
         ctx.save_for_backward(xc, w)
         ctx.weight_dtype = weight.dtype

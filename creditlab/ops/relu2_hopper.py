@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from creditlab.kernels._triton import multiprocessors, triton
+from creditlab.ops._triton import multiprocessors, triton
 
 try:  # Gluon ships with Triton 3.4 and later
     from triton.experimental import gluon

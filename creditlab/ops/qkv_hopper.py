@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import torch
 
-from creditlab.kernels import qkv_rotary, relu2_hopper
-from creditlab.kernels._triton import multiprocessors, triton
-from creditlab.kernels.relu2_hopper import gluon
+from creditlab.ops import qkv_rotary, relu2_hopper
+from creditlab.ops._triton import multiprocessors, triton
+from creditlab.ops.relu2_hopper import gluon
 
 BLOCK_M, BLOCK_K, STAGES, WARPS, GROUP_M, POST_STEP, HEADS_PER_TILE = 128, 64, 3, 8, 16, 3, 2
 if gluon is not None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
-    from creditlab.kernels.relu2_hopper import (_accumulator_layout, _barrier, _end_program, _start_loads,
+    from creditlab.ops.relu2_hopper import (_accumulator_layout, _barrier, _end_program, _start_loads,
                                                 _tile_products, _tma_store)
 
     @gluon.constexpr_function

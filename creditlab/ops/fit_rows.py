@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from creditlab.kernels._triton import launcher, tl, triton
+from creditlab.ops._triton import launcher, tl, triton
 
 SUMS = 3  # partial's leading columns: |c|^2, |pred|^2, <pred, c>; then the (2r, 2r) Gram matrix
 

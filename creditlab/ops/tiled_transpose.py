@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from creditlab.kernels._triton import tl, triton
+from creditlab.ops._triton import tl, triton
 
 BLOCK, WARPS = 64, 4
 

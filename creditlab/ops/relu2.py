@@ -15,8 +15,8 @@ expansion's input-gradient product (credit/sketch.py) keeps receiving dL/dh as b
 `jvp` would break the compiled graph at every MLP): FDFA's forward-mode pass runs the plain MLP
 (credit/fdfa.py), which computes the same function.
 
-On CUDA, in bf16/fp16, the products run as one Triton kernel each (kernels/relu2_matmul.py; on Hopper the
-derivative product as the Gluon kernel of kernels/relu2_hopper.py, which brings the post tile in while the
+On CUDA, in bf16/fp16, the products run as one Triton kernel each (ops/relu2_matmul.py; on Hopper the
+derivative product as the Gluon kernel of ops/relu2_hopper.py, which brings the post tile in while the
 products run); elsewhere (the CPU, float64 checks) as the torch arithmetic of the same formulas, so the
 convention is checked in float64.
 """
@@ -26,12 +26,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from creditlab import kernels
-from creditlab.kernels import relu2_hopper, relu2_matmul
+from creditlab import ops
+from creditlab.ops import relu2_hopper, relu2_matmul
 
 
 def _kernel_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return kernels.available(a) and relu2_matmul.supported(a, b)
+    return ops.available(a) and relu2_matmul.supported(a, b)
 
 
 @torch.library.custom_op("creditlab::relu2_linear", mutates_args=())
@@ -88,7 +88,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def expand_relu2_values(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(post, x, w) with post = relu(x w^T)^2 and x, w cast as F.linear would cast them: the forward shared by
     every expansion that keeps the convention (this module's and the sketch's)."""
-    dtype = kernels.compute_dtype(x)
+    dtype = ops.compute_dtype(x)
     x, w = x.to(dtype), w.to(dtype)
     post = relu2_linear(_rows(x), w).view(*x.shape[:-1], w.shape[0])
     return post, x, w

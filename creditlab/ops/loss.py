@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from creditlab import kernels
+from creditlab import ops
 
 
 HEAD_INPUT_FP8, HEAD_GRAD_FP8 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -31,7 +31,7 @@ def softcap_ce_rows(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int
                     grad_dtype: torch.dtype | None = None):
     """Per-row loss of CE(cap * tanh(logits / cap)) over the first vocab_size columns, and the gradient of
     scale * sum(loss) with respect to logits (in grad_dtype, logits' dtype by default; zero on the padding
-    columns). The torch arithmetic: the reference for the Triton kernel (kernels.softcap_ce_rows) and the CPU
+    columns). The torch arithmetic: the reference for the Triton kernel (ops.softcap_ce_rows) and the CPU
     path."""
     acc = torch.promote_types(logits.dtype, torch.float32)  # float32 or better for the softmax
     t = torch.tanh(logits.to(acc) / cap)
@@ -46,8 +46,8 @@ def softcap_ce_rows(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int
 
 
 def _rows_fn(h: torch.Tensor):
-    # On CUDA the pointwise work is one Triton kernel (kernels/softcap_ce.py); elsewhere the torch arithmetic.
-    return kernels.softcap_ce_rows if kernels.available(h) else softcap_ce_rows
+    # On CUDA the pointwise work is one Triton kernel (ops/softcap_ce.py); elsewhere the torch arithmetic.
+    return ops.softcap_ce_rows if ops.available(h) else softcap_ce_rows
 
 
 class PlainHead:
@@ -109,9 +109,9 @@ class Fp8Head:
         # the scale of the products with the e5m2 gradient: the loss's own over the gradient's fixed one
         self.g_scale = torch.full((), scale / HEAD_GRAD_SCALE, dtype=torch.float32, device=h.device)
         self.h8, self.h_scale = fp8_quantize(h)
-        self.h8_t = kernels.transpose(self.h8)  # (d, N): its column blocks are the chunks' rows, summed over in dW
+        self.h8_t = ops.transpose(self.h8)  # (d, N): its column blocks are the chunks' rows, summed over in dW
         self.w8, self.w_scale = fp8_quantize(weight)
-        self.w8_t = kernels.transpose(self.w8)  # (d, Vp): W with the vocabulary contiguous, summed over in dh
+        self.w8_t = ops.transpose(self.w8)  # (d, Vp): W with the vocabulary contiguous, summed over in dh
 
     def chunk(self, start: int, stop: int, targets: torch.Tensor, vocab_size: int, cap: float,
               grad_h: torch.Tensor, grad_w: torch.Tensor) -> torch.Tensor:
@@ -122,7 +122,7 @@ class Fp8Head:
         loss_rows, g8 = _rows_fn(h8)(logits, targets, vocab_size, cap, HEAD_GRAD_SCALE, grad_dtype=HEAD_GRAD_FP8)
         gh = torch._scaled_mm(g8, self.w8_t.t(), scale_a=self.g_scale, scale_b=self.w_scale,
                               out_dtype=self.out_dtype)
-        gw = torch._scaled_mm(kernels.transpose(g8), self.h8_t[:, start:stop].t(), scale_a=self.g_scale,
+        gw = torch._scaled_mm(ops.transpose(g8), self.h8_t[:, start:stop].t(), scale_a=self.g_scale,
                               scale_b=self.h_scale, out_dtype=torch.float32)
         grad_h[start:stop] = gh
         grad_w += gw

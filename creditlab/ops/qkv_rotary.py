@@ -19,13 +19,13 @@ import dataclasses
 
 import torch
 
-from creditlab.kernels._triton import tl, triton
-from creditlab.kernels.relu2_matmul import _programs
+from creditlab.ops._triton import tl, triton
+from creditlab.ops.relu2_matmul import _programs
 
 if triton is not None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from creditlab.kernels.relu2_matmul import _tile_coordinates
+    from creditlab.ops.relu2_matmul import _tile_coordinates
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ import dataclasses
 
 import torch
 
-from creditlab.kernels._triton import multiprocessors, tl, triton
+from creditlab.ops._triton import multiprocessors, tl, triton
 
 if triton is not None:
     from triton.tools.tensor_descriptor import TensorDescriptor

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from creditlab.kernels._triton import tl, triton
+from creditlab.ops._triton import tl, triton
 
 # tokens per program: the fastest backward at the seed shape on an H200, the forward as fast as any
 # (benchmarks/results/attention_gate_seed.md)
