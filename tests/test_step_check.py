@@ -125,7 +125,7 @@ def test_the_plain_step_runs_without_the_kernels(aot_eager, monkeypatch):
     class OnCuda:
         is_cuda = True
 
-    monkeypatch.setattr(kernels, "triton", object())  # a machine with Triton, a tensor on CUDA
+    monkeypatch.setattr(ops, "triton", object())  # a machine with Triton, a tensor on CUDA
     assert ops.available(OnCuda())
     with ops.off():
         assert not ops.available(OnCuda())
