@@ -81,44 +81,22 @@ def checks(request):
     started.close()
 
 
-@pytest.fixture(scope="module")
-def compiled_head(checks):
-    return checks.report("compiled_head")
+def _report(kernel: str):
+    """The fixture named `kernel`: the report of its checks' process (started only if a selected test uses it)."""
+    @pytest.fixture(scope="module", name=kernel)
+    def report(checks):
+        return checks.report(kernel)
+    return report
 
 
-@pytest.fixture(scope="module")
-def softcap_ce(checks):
-    return checks.report("softcap_ce")
-
-
-@pytest.fixture(scope="module")
-def tiled_transpose(checks):
-    return checks.report("tiled_transpose")
-
-
-@pytest.fixture(scope="module")
-def relu2_matmul(checks):
-    return checks.report("relu2_matmul")
-
-
-@pytest.fixture(scope="module")
-def qk_norm_rotary(checks):
-    return checks.report("qk_norm_rotary")
-
-
-@pytest.fixture(scope="module")
-def qkv_rotary(checks):
-    return checks.report("qkv_rotary")
-
-
-@pytest.fixture(scope="module")
-def thin_linear(checks):
-    return checks.report("thin_linear")
-
-
-@pytest.fixture(scope="module")
-def fit_rows(checks):
-    return checks.report("fit_rows")
+compiled_head_report = _report("compiled_head")
+softcap_ce_report = _report("softcap_ce")
+tiled_transpose_report = _report("tiled_transpose")
+relu2_matmul_report = _report("relu2_matmul")
+qk_norm_rotary_report = _report("qk_norm_rotary")
+qkv_rotary_report = _report("qkv_rotary")
+thin_linear_report = _report("thin_linear")
+fit_rows_report = _report("fit_rows")
 
 
 def test_every_kernel_file_has_its_checks():

@@ -57,7 +57,7 @@ def test_a_seed_out_of_range_is_refused(tmp_path, capsys):
     assert not (tmp_path / "runs").exists() and not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("source", ["learned", "dni"])
+@pytest.mark.parametrize("source", ["learned", "typed", "dni"])
 def test_a_rank_beyond_the_width_is_refused(tmp_path, capsys, source):
     line = refused(capsys, train(f"credit.source={source}", "credit.rank=100000", out=tmp_path), "credit.rank")
     assert "model.width" in line and "lower credit.rank" in line

@@ -163,16 +163,20 @@ class LearnedCredit(AdjointCredit):
 
 class LearnedSource(FittedSource):
     name, omits = "learned", True
+    about = "learned predictor, one exact teacher update in credit.teacher_every"
+    predictor_class = Predictor
+    directions_per_rank = 1  # the terminal error's projection has rank directions
 
     @classmethod
     def config_problems(cls, cfg: Config) -> list[str]:
         problems = super().config_problems(cfg)
-        if cfg.credit.rank > cfg.model.width:
-            problems.append(f"credit.rank ({cfg.credit.rank}) exceeds model.width ({cfg.model.width}): the "
-                            f"projection of the terminal error has at most that many directions; lower credit.rank")
+        directions = cls.directions_per_rank * cfg.credit.rank
+        if directions > cfg.model.width:
+            times = f"{cls.directions_per_rank} x " if cls.directions_per_rank > 1 else ""
+            problems.append(f"credit.rank ({cfg.credit.rank}) is too large for model.width ({cfg.model.width}): "
+                            f"{cls.name} projects the terminal error onto {times}rank directions, at most the width; "
+                            f"lower credit.rank")
         return problems
-    about = "learned predictor, one exact teacher update in credit.teacher_every"
-    predictor_class = Predictor
 
     def __init__(self, model: ModelConfig, credit: CreditConfig):
         super().__init__(credit)
@@ -227,13 +231,7 @@ class TypedSource(LearnedSource):
     about = "learned predictor with its code laid out by branch kind (attention: [m ; p], MLP: p of rank 2r)"
     predictor_class = TypedPredictor
 
-    @classmethod
-    def config_problems(cls, cfg: Config) -> list[str]:
-        problems = super().config_problems(cfg)
-        if 2 * cfg.credit.rank > cfg.model.width:
-            problems.append(f"credit.rank={cfg.credit.rank}: the typed source projects onto 2 * rank directions, at "
-                            f"most model.width={cfg.model.width}")
-        return problems
+    directions_per_rank = 2  # a taller projection: MLP branches read all 2r directions
 
 
 class _DecodeAllAtTap(torch.autograd.Function):
