@@ -31,7 +31,7 @@ def test_the_script_runs_its_three_runs_on_two_cpu_processes(tmp_path, monkeypat
     ddp = load("ddp")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setattr(sys, "argv", ["ddp.py", "--out", str(tmp_path), "--preset", "tiny", "--updates", "3",
-                                      "--window", "2", "--set", "model.vocab_size=97"])
+                                      "--window", "2", "--set", "model.vocab_size=97", "--set", "train.warmup=0"])
     ddp.main()
     result = json.loads((tmp_path / "ddp.json").read_text())
     assert [r["exit"] for r in result["runs"]] == [0, 0, 0], [r["log_tail"] for r in result["runs"]]
