@@ -21,8 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from creditlab import ops  # noqa: E402
 from creditlab.ops import tiled_transpose  # noqa: E402
-from creditlab.ops.loss import (HEAD_GRAD_FP8, HEAD_GRAD_SCALE, HEAD_INPUT_FP8, Fp8Head, _quantize,  # noqa: E402
-                            fp8_quantize, fused_head_loss, softcap_ce_rows)
+from creditlab.ops.fp8 import quantize as fp8_quantize, quantize_eager as _quantize  # noqa: E402
+from creditlab.ops.loss import (HEAD_GRAD_FP8, HEAD_GRAD_SCALE, HEAD_INPUT_FP8, Fp8Head,  # noqa: E402
+                                fused_head_loss, softcap_ce_rows)
 from creditlab.runtime import cuda_ms, gpu_benchmark_folder, largest_relative_error, write_benchmark  # noqa: E402
 
 CAP = 15.0

@@ -423,6 +423,35 @@ def compare_fit_rows(device, dtype, shapes: Shapes) -> Comparison:
 
 # The GPU tests: the seed shapes, bf16, every kernel the step runs on this device.
 
+def compare_fp8_input_gradient(device, dtype, shapes: Shapes) -> Comparison:
+    """The `fp8` source's product dY W (credit/fp8.py: dY in e5m2, W in e4m3, each with its largest magnitude
+    scaled to the format's largest value; torch._scaled_mm where the card multiplies FP8) at the Q/K/V product's
+    shapes. Its bound is entrywise, derived here from the formats: each operand entry rounds by at most 2^-3 (e5m2)
+    or 2^-4 (e4m3) of itself, or half its smallest subnormal times its scale, so |c' - c| <= E_g |W| + |dY| E_w +
+    E_g E_w, plus one bf16 rounding of the output; the error is the largest |c' - c| over that bound."""
+    from creditlab.credit.fp8 import fp8_input_gradient
+    from creditlab.ops.fp8 import has_fp8_products
+
+    g = _generator(6)
+    m, d = 3 * shapes.width, shapes.width
+    dy = torch.randn(shapes.tokens, m, generator=g).to(dtype).to(device)
+    w = _uniform((m, d), d, g).to(device)  # a float32 parameter, as the model's
+    got = fp8_input_gradient(dy, w).double()
+    dy64, w64 = dy.double(), w.double()
+    s_g, s_w = dy64.abs().max() / 57344.0, w64.abs().max() / 448.0
+    e_g = torch.maximum(E5M2_ROUNDING * dy64.abs(), 0.5 * E5M2_SMALLEST * s_g)
+    e_w = torch.maximum(2.0 ** -4 * w64.abs(), 0.5 * 2.0 ** -9 * s_w)
+    want = dy64 @ w64
+    entry_bound = e_g @ w64.abs() + dy64.abs() @ e_w + e_g @ e_w + BF16_ROUNDING * want.abs() + 1e-300
+
+    def against(reference):
+        return {"c": ((got - reference).abs() / entry_bound).max().item()}
+
+    controls = {"dy's tokens moved by one": against(_rolled(dy64, 0) @ w64),
+                "the gradient's scale doubled": against(2 * want)}
+    return Comparison("fp8 input gradient", against(want), {"c": 1.0}, controls, has_fp8_products(dy.device))
+
+
 SEED = Shapes.seed()
 
 
@@ -502,6 +531,11 @@ def test_fit_rows_kernel_gives_the_float64_regression(request):
     _check(request, compare_fit_rows("cuda", torch.bfloat16, SEED))
 
 
+@gpu_test
+def test_fp8_input_gradient_on_fp8_tensor_cores_is_within_the_formats_bound(request):
+    _check(request, compare_fp8_input_gradient("cuda", torch.bfloat16, SEED))
+
+
 def test_the_comparisons_pass_the_cpu_fallbacks_and_fail_their_wrong_variants():
     """Every comparison above, on the CPU in float32 at small shapes, through the ops' torch fallbacks (no kernel
     takes CPU tensors): the references, the error measures and the wrong variants run, the fallbacks pass within
@@ -510,6 +544,7 @@ def test_the_comparisons_pass_the_cpu_fallbacks_and_fail_their_wrong_variants():
         compare_softcap_ce, compare_transpose, compare_relu2_linear, compare_relu2_dgrad, compare_qkv_rotary,
         compare_qk_norm_rotary, compare_thin_linear, compare_fit_rows)]
     comparisons.append(compare_softcap_ce("cpu", torch.float32, SMALL, fp8=True))
+    comparisons.append(compare_fp8_input_gradient("cpu", torch.float32, SMALL))
     for comparison in comparisons:
         assert not comparison.kernel_takes, comparison.kernel  # the fallback ran, not a kernel
         assert not comparison.failures(), (comparison.kernel, comparison.failures())

@@ -114,7 +114,8 @@ def test_fused_matches_reference_for_any_shape(n, d, vocab, pad, chunk, cap, sca
 def fp8_expected(h, w, t, vocab, cap):
     """What the FP8 head computes, in float64: the loss and gradients of the quantized operands, with the logits'
     gradient rounded to e5m2 at its fixed scale, as the products receive it."""
-    from creditlab.ops.loss import HEAD_GRAD_FP8, HEAD_GRAD_SCALE, fp8_quantize, softcap_ce_rows
+    from creditlab.ops.fp8 import quantize as fp8_quantize
+    from creditlab.ops.loss import HEAD_GRAD_FP8, HEAD_GRAD_SCALE, softcap_ce_rows
     (h8, sh), (w8, sw) = fp8_quantize(h), fp8_quantize(w)
     hq, wq = h8.double() * sh.double(), w8.double() * sw.double()
     rows, g = softcap_ce_rows(hq @ wq.t(), t, vocab, cap, HEAD_GRAD_SCALE)
@@ -165,7 +166,8 @@ def test_fp8_head_with_the_zero_initialized_weight_is_finite():
 
 
 def test_fp8_quantize_uses_the_whole_range_and_never_overflows():
-    from creditlab.ops.loss import HEAD_INPUT_FP8, fp8_quantize
+    from creditlab.ops.fp8 import quantize as fp8_quantize
+    from creditlab.ops.loss import HEAD_INPUT_FP8
     x = torch.randn(300, 17) * 1e-3
     q, s = fp8_quantize(x)
     assert q.dtype == HEAD_INPUT_FP8 and q.float().abs().max().item() == torch.finfo(HEAD_INPUT_FP8).max

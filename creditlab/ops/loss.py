@@ -7,7 +7,7 @@ This is the usual fused linear cross-entropy; the arithmetic is the exact gradie
 autograd in float64.
 
 With `model.head=fp8` the three products of a chunk run on FP8 tensor cores with float32 accumulation
-(`torch._scaled_mm`), as modded-nanogpt runs its head: h and W in e4m3 with one scale each, from their largest
+(`torch._scaled_mm` through ops/fp8.py, the component the `fp8` credit source shares), as modded-nanogpt runs its head: h and W in e4m3 with one scale each, from their largest
 magnitude, and the logits' gradient in e5m2 with a fixed scale, since that gradient is bounded (below). This is a
 precision choice, not exact arithmetic: its tests check that it computes the products of the quantized operands
 and how far those are from float64, and whether a model trained with it learns as well is a `compare` run's
@@ -19,9 +19,10 @@ from __future__ import annotations
 import torch
 
 from creditlab import ops
+from creditlab.ops.fp8 import E4M3, E5M2, quantize, scaled_mm
 
 
-HEAD_INPUT_FP8, HEAD_GRAD_FP8 = torch.float8_e4m3fn, torch.float8_e5m2
+HEAD_INPUT_FP8, HEAD_GRAD_FP8 = E4M3, E5M2  # the FP8 component's formats (ops/fp8.py)
 # Each row's d loss / d logit = (softmax - onehot) * (1 - tanh^2) lies in [-1, 1]: times 2^15 it stays under
 # e5m2's largest value (57,344), and entries down to 2^-31 (e5m2's smallest, 2^-16, over 2^15) survive.
 HEAD_GRAD_SCALE = 2.0 ** 15
@@ -78,28 +79,6 @@ def add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
-def _quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    amax = torch.linalg.vector_norm(x, float("inf")).float().clamp_min(torch.finfo(torch.float32).tiny)
-    scale = amax / torch.finfo(dtype).max
-    return (x.float() / scale).to(dtype), scale
-
-
-_compiled_quantize = None
-
-
-def fp8_quantize(x: torch.Tensor, dtype: torch.dtype = HEAD_INPUT_FP8) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, s): x / s rounded to dtype, with one float32 scale s = max |x| / dtype's largest value (a tensor on x's
-    device, so no host sync), so that q * s ~ x. An all-zero x (the zero-initialized head) gets a tiny s. On CUDA
-    compiled into a reduction and one pass: eager, the float32 quotient alone is a round trip of 4 bytes an
-    element (benchmarks/fp8_head.py times both)."""
-    global _compiled_quantize
-    if not x.is_cuda:
-        return _quantize(x, dtype)
-    if _compiled_quantize is None:
-        _compiled_quantize = torch.compile(_quantize, dynamic=False)
-    return _compiled_quantize(x, dtype)
-
-
 class Fp8Head:
     """A micro-batch's operands of the FP8 head, quantized once: h (N, d) and W (Vp, d) in e4m3, each also
     transposed, because FP8 tensor-core products take both operands with the summed index contiguous."""
@@ -108,22 +87,19 @@ class Fp8Head:
         self.out_dtype = h.dtype
         # the scale of the products with the e5m2 gradient: the loss's own over the gradient's fixed one
         self.g_scale = torch.full((), scale / HEAD_GRAD_SCALE, dtype=torch.float32, device=h.device)
-        self.h8, self.h_scale = fp8_quantize(h)
+        self.h8, self.h_scale = quantize(h)
         self.h8_t = ops.transpose(self.h8)  # (d, N): its column blocks are the chunks' rows, summed over in dW
-        self.w8, self.w_scale = fp8_quantize(weight)
+        self.w8, self.w_scale = quantize(weight)
         self.w8_t = ops.transpose(self.w8)  # (d, Vp): W with the vocabulary contiguous, summed over in dh
 
     def chunk(self, start: int, stop: int, targets: torch.Tensor, vocab_size: int, cap: float,
               grad_h: torch.Tensor, grad_w: torch.Tensor) -> torch.Tensor:
         """PlainHead.chunk through FP8 products with float32 accumulation (W quantized from its own dtype)."""
         h8 = self.h8[start:stop]
-        logits = torch._scaled_mm(h8, self.w8.t(), scale_a=self.h_scale, scale_b=self.w_scale,
-                                  out_dtype=self.out_dtype)
+        logits = scaled_mm(h8, self.w8.t(), self.h_scale, self.w_scale, self.out_dtype)
         loss_rows, g8 = _rows_fn(h8)(logits, targets, vocab_size, cap, HEAD_GRAD_SCALE, grad_dtype=HEAD_GRAD_FP8)
-        gh = torch._scaled_mm(g8, self.w8_t.t(), scale_a=self.g_scale, scale_b=self.w_scale,
-                              out_dtype=self.out_dtype)
-        gw = torch._scaled_mm(ops.transpose(g8), self.h8_t[:, start:stop].t(), scale_a=self.g_scale,
-                              scale_b=self.h_scale, out_dtype=torch.float32)
+        gh = scaled_mm(g8, self.w8_t.t(), self.g_scale, self.w_scale, self.out_dtype)
+        gw = scaled_mm(ops.transpose(g8), self.h8_t[:, start:stop].t(), self.g_scale, self.h_scale, torch.float32)
         grad_h[start:stop] = gh
         grad_w += gw
         return loss_rows
