@@ -46,7 +46,7 @@ def test_fp8_corrections_lie_in_their_band_and_a_wrong_scale_leaves_it():
 
 def test_the_check_fails_when_the_products_are_not_in_fp8(monkeypatch):
     """Exact products in place of the FP8 ones: the band's 'not zero' side fails, so the check can fail."""
-    monkeypatch.setattr(fp8_source, "fp8_input_gradient", lambda dy, weight, scale_mul=1.0: dy @ weight.to(dy.dtype))
+    monkeypatch.setattr(fp8_source, "fp8_input_gradient", lambda dy, weight, *rest: dy @ weight.to(dy.dtype))
     r = fp8_checks.fp8_check(tiny(), seed=1)
     assert not r["nonzero"] and not r["passed"]
 
@@ -58,7 +58,7 @@ def test_everything_but_the_16_products_is_native(monkeypatch):
     model = checks.randomized_model(cfg, 3)
     idx, targets = checks._batch(cfg, 3)
     native = checks._trunk_grads(model, idx, targets, ExactCredit())
-    monkeypatch.setattr(fp8_source, "fp8_input_gradient", lambda dy, weight, scale_mul=1.0: dy @ weight.to(dy.dtype))
+    monkeypatch.setattr(fp8_source, "fp8_input_gradient", lambda dy, weight, *rest: dy @ weight.to(dy.dtype))
     exact_products = checks._trunk_grads(model, idx, targets, fp8_source.Fp8Credit())
     assert max(checks._rel_errors(exact_products, native).values()) <= checks.TOLERANCE
     monkeypatch.undo()
@@ -76,7 +76,7 @@ def test_the_fp8_product_compiles_without_a_graph_break_to_the_eager_gradients(e
     probe = torch.randn(2, 8, 64)
 
     def loss(n, weight):
-        return (fp8_source._Fp8InputGradientLinear.apply(n, weight, expand, 1.0, None) * probe).sum()
+        return (fp8_source._Fp8InputGradientLinear.apply(n, weight, expand, 1.0, None, False) * probe).sum()
 
     compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
     eager = torch.autograd.grad(loss(n, weight), (n, weight))

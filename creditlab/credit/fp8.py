@@ -22,20 +22,23 @@ import torch.nn.functional as F
 
 from creditlab.credit.sources import CreditSource
 from creditlab.model import ExactCredit
-from creditlab.ops.fp8 import E4M3, E5M2, quantize, scaled_mm
+from creditlab.ops.fp8 import E4M3, E5M2, has_fp8_products, quantize, scaled_mm
 from creditlab.ops.qk_norm import QKEpilogue
 from creditlab.ops.relu2 import ReLU2, expand_relu2_values
 
 GRADIENT_FP8, WEIGHT_FP8 = E5M2, E4M3
 
 
-def fp8_input_gradient(dy: torch.Tensor, weight: torch.Tensor, scale_mul: float = 1.0) -> torch.Tensor:
-    """dY W with dY (..., m) in e5m2 and W (m, d) in e4m3, in dY's dtype. `scale_mul` != 1 multiplies the scale
-    the product dequantizes with (the wrong-scale variant the checks must catch)."""
+def fp8_input_gradient(dy: torch.Tensor, weight: torch.Tensor, scale_mul: float = 1.0,
+                       tensor_cores: bool | None = None) -> torch.Tensor:
+    """dY W with dY (..., m) in e5m2 and W (m, d) in e4m3, in dY's dtype; on FP8 tensor cores if `tensor_cores`
+    (None: where the device has them). `scale_mul` != 1 multiplies the scale the product dequantizes with (the
+    wrong-scale variant the checks must catch)."""
     g8, g_scale = quantize(dy.flatten(0, -2), GRADIENT_FP8)
     w8, w_scale = quantize(weight, WEIGHT_FP8)
     # FP8 tensor cores read both operands with the summed index (m) contiguous: dY row-major, W column-major
-    out = scaled_mm(g8.contiguous(), w8.t().contiguous().t(), g_scale * scale_mul, w_scale, dy.dtype)
+    out = scaled_mm(g8.contiguous(), w8.t().contiguous().t(), g_scale * scale_mul, w_scale, dy.dtype,
+                    tensor_cores)
     return out.view(*dy.shape[:-1], weight.shape[1])
 
 
@@ -44,9 +47,9 @@ class _Fp8InputGradientLinear(torch.autograd.Function):
     product dY W. `record`, a list in the float64 checks (None when training), receives (dY, W, c) per call."""
 
     @staticmethod
-    def forward(ctx, n, weight, expand: bool, scale_mul: float, record):
+    def forward(ctx, n, weight, expand: bool, scale_mul: float, record, tensor_cores: bool):
         ctx.save_for_backward(n, weight)
-        ctx.scale_mul, ctx.record = scale_mul, record
+        ctx.scale_mul, ctx.record, ctx.tensor_cores = scale_mul, record, tensor_cores
         if not expand:
             return F.linear(n, weight)
         return expand_relu2_values(n, weight)[0]  # the fused MLP's convention: dy below is dL/d(n W^T)
@@ -54,23 +57,27 @@ class _Fp8InputGradientLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         n, weight = ctx.saved_tensors
-        grad_n = fp8_input_gradient(dy, weight, ctx.scale_mul)
+        grad_n = fp8_input_gradient(dy, weight, ctx.scale_mul, ctx.tensor_cores)
         if ctx.record is not None:
             ctx.record.append((dy.detach(), weight.detach(), grad_n.detach()))
         grad_weight = dy.flatten(0, -2).t() @ n.to(dy.dtype).flatten(0, -2)  # what F.linear's backward computes
-        return grad_n.to(n.dtype), grad_weight.to(weight.dtype), None, None, None
+        return grad_n.to(n.dtype), grad_weight.to(weight.dtype), None, None, None, None
 
 
 class Fp8Credit(ExactCredit):
     """The synthetic step: every branch input keeps its gradient path; the 16 products' backward runs in FP8."""
 
-    def __init__(self, scale_mul: float = 1.0, record: list | None = None):
-        self.scale_mul, self.record = scale_mul, record
+    def __init__(self, tensor_cores: bool = False, scale_mul: float = 1.0, record: list | None = None):
+        # tensor_cores: decided here, outside the compiled forward, from the batch's device (Fp8Source.context)
+        self.tensor_cores, self.scale_mul, self.record = tensor_cores, scale_mul, record
+
+    def _apply(self, n, weight, expand: bool):
+        return _Fp8InputGradientLinear.apply(n, weight, expand, self.scale_mul, self.record, self.tensor_cores)
 
     def product(self, index: int, n: torch.Tensor, weight: torch.Tensor, activation=None):
         if isinstance(activation, QKEpilogue):  # the FP8 product needs dL/d(n W^T): the product, then the epilogue
-            return activation.after(_Fp8InputGradientLinear.apply(n, weight, False, self.scale_mul, self.record))
-        return _Fp8InputGradientLinear.apply(n, weight, isinstance(activation, ReLU2), self.scale_mul, self.record)
+            return activation.after(self._apply(n, weight, False))
+        return self._apply(n, weight, isinstance(activation, ReLU2))
 
 
 class Fp8Source(CreditSource):
@@ -79,8 +86,13 @@ class Fp8Source(CreditSource):
     name, omits = "fp8", True
     about = "the 16 omitted products computed in FP8 (dY e5m2, W e4m3, current per-tensor scales), dW exact"
 
-    def step(self) -> Fp8Credit:
-        return Fp8Credit()
+    def step(self, tensor_cores: bool = False) -> Fp8Credit:
+        return Fp8Credit(tensor_cores)
+
+    def context(self, trainer, inputs, targets, kind: str, scale: float):
+        if kind != "synthetic":
+            return self.exact_step()
+        return self.step(has_fp8_products(inputs.device))
 
 
 __all__ = ["Fp8Source", "Fp8Credit", "fp8_input_gradient", "GRADIENT_FP8", "WEIGHT_FP8"]

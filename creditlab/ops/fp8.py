@@ -58,10 +58,12 @@ def has_fp8_products(device: torch.device) -> bool:
 
 
 def scaled_mm(a8: torch.Tensor, b8: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-              out_dtype: torch.dtype) -> torch.Tensor:
+              out_dtype: torch.dtype, tensor_cores: bool | None = None) -> torch.Tensor:
     """(a8 * scale_a) @ (b8 * scale_b) in out_dtype: a8 (M, K) row-major, b8 (K, N) column-major (the layout FP8
-    tensor cores read: the summed index contiguous in both), K and N multiples of 16 on the GPU path."""
-    if has_fp8_products(a8.device):
+    tensor cores read: the summed index contiguous in both), K and N multiples of 16 on the GPU path.
+    `tensor_cores`: whether to use them, decided by the caller outside a compiled region (the compiler need not
+    trace a query of the device); None asks `has_fp8_products`."""
+    if tensor_cores if tensor_cores is not None else has_fp8_products(a8.device):
         return torch._scaled_mm(a8, b8, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
     acc = torch.promote_types(out_dtype, torch.float32)  # the emulation: exact FP8 values, a float32+ product
     return ((a8.to(acc) @ b8.to(acc)) * (scale_a.to(acc) * scale_b.to(acc))).to(out_dtype)
