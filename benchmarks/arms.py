@@ -538,7 +538,7 @@ def refresh_estimate(trainer: Trainer, times: int = 3) -> dict:
     then counted as `creditlab compare` counts it: the synthetic update plus the refresh at its share of the
     updates (compare records a refreshing update as a kind of its own, at its own median)."""
     source = trainer.source
-    if not hasattr(source, "refresh") or not getattr(source, "every", 0):
+    if not hasattr(source, "refresh") or not getattr(source, "every", 0) or getattr(source, "form", "") == "sampled":
         return {}
     seconds = []
     for _ in range(times):

@@ -222,7 +222,7 @@ def plot_screens(records: Path, out: Path) -> Path:
                 ax.plot([r["update"] + 1 for r in arm_rows], [r["seconds"] for r in arm_rows], "o-", ms=3,
                         color=color, label=f"{arm} (peak {max(r['peak_allocated_mib'] for r in arm_rows):,.0f} MiB)")
         cap = config["screen"]["memory_cap_mib"]
-        kind = "materialized" if config["credit"]["materialized"] else "streaming"
+        kind = "materialized" if config["credit"].get("materialized", False) else "streaming"
         env = folder / "env.json"
         gpu = json.loads(read_stored(env)).get("gpu", "") if is_stored(env) else ""
         card = next((name for name in ("H200", "H100") if name in gpu), gpu or "card not recorded")

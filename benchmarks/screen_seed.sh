@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The seed resource screen under an admission, then the seed's situation replayed under a per-process memory cap
-# emulating a 24 GB card (24,111 MiB free at prelaunch): streaming and materialized synthetic arms.
+# emulating a 24 GB card (24,111 MiB free at prelaunch). (A materialized synthetic arm under the same cap ran here
+# until credit.materialized was deleted: benchmarks/LOG.md.)
 #   bash benchmarks/screen_seed.sh OUT_DIR [DATA_DIR]
 # With SCREENS=admitted only the screen under the admission runs.
 set -uo pipefail
@@ -15,8 +16,6 @@ echo "admission $adm"
 $cli screen --admission "$adm" --out-dir "$runs" 2>&1 | tee "$out/screen_admitted.log" | grep -vE "^ *(native|synthetic) \| update"
 if [ "${SCREENS:-all}" != admitted ]; then
   $cli screen "${common[@]}" --set screen.memory_cap_mib=24111 2>&1 | tee "$out/screen_24gb_streaming.log" | tail -4
-  $cli screen "${common[@]}" --set screen.memory_cap_mib=24111 --set credit.materialized=true 2>&1 \
-    | tee "$out/screen_24gb_materialized.log" | tail -4
 fi
 # The records without the copies of the package a screen keeps beside them (frozen/, source/): the admission's
 # hashes and git commit name the sources.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every seed-preset measurement of the benchmark pages in one go (about 13 minutes on one H200 without the step
 # check, most of it compilation): the step's gradients against float64; the head-loss kernel's configurations;
-# the arms interleaved (the native step, the synthetic step, streaming and materialized, the teacher, one teacher
+# the arms interleaved (the native step, the synthetic step, the teacher, one teacher
 # in four) with a kernel profile and a breakdown of the native memory peak; board power and clocks sampled every 2 s; what one compiled forward keeps; each generated
 # kernel of native, zero and learned against the card's streaming rate; the head loss with its products in FP8
 # against bf16, and its chunk loop against the loop it replaced; causal attention in each kernel PyTorch offers,
@@ -31,7 +31,7 @@ python3 "$here/fp8_head.py" --out "$out/fp8_head" 2>&1 | head -8
 python3 "$here/head_loss.py" --out "$out/head_loss" 2>&1 | head -6
 python3 "$here/products.py" --out "$out/products" 2>&1 | tail -9
 python3 "$here/arms.py" --out "$out/arms" --profile native --memory native --updates 16 --arms \
-  native,zero,learned@credit.schedule=never,learned@credit.schedule=never@credit.materialized=true,learned@credit.teacher_every=1,learned \
+  native,zero,learned@credit.schedule=never,learned@credit.teacher_every=1,learned \
   2>&1 | grep -v "^update" | tail -20
 python3 "$here/targets.py" "$out/arms/arms.json" --out "$out/arms/targets.md"
 python3 "$here/kept.py" --out "$out/kept" 2>&1 | head -16

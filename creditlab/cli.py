@@ -39,27 +39,35 @@ def print_config(cfg: config_mod.Config, stream=None) -> None:
 # ---- flops -------------------------------------------------------------------------------------------------
 
 def cmd_flops(args) -> int:
-    from creditlab.flops import flop_budget, sketch_cost
+    from creditlab.flops import SKETCH_FORMS, dropbp_rate, flop_budget, sketch_cost
 
     cfg = load_config(args)
     if cfg.credit.teacher_every == 1:
         raise config_mod.ConfigError("credit.teacher_every=1 has no synthetic updates to save FLOPs on; "
                                      "use >= 2 (or 0 for the default cycle of 4)")
     budget = flop_budget(cfg.model, cfg.credit.teacher_every or 4, cfg.screen.cycle_gate)
-    sketch = None
-    if args.sketch or cfg.credit.source == "sketch":
+    sketch, variants = None, {}
+    if args.sketch or cfg.credit.source == "sketch":  # every form of credit.sketch; `sketch` the configured one
+        c, t = cfg.credit, cfg.train
+        tokens = t.micro_batch * cfg.model.seq_len
         try:
-            sketch = sketch_cost(cfg.model, cfg.credit.sketch_rank)
+            variants = {form: sketch_cost(cfg.model, c.sketch_rank, form, c.sketch_every, tokens, tokens * t.grad_accum)
+                        for form in SKETCH_FORMS}
         except ValueError as exc:
             raise config_mod.ConfigError(f"credit.sketch_rank: {exc}") from None
+        sketch = variants[c.sketch]
+    dropbp = dropbp_rate(cfg.model)  # the dropbp control's rate, the same FLOPs skipped as the omitted products
     if args.json:
-        print(json.dumps(budget.to_json() | ({"sketch": sketch.to_json()} if sketch else {})))
+        print(json.dumps(budget.to_json() | ({"sketch": sketch.to_json(), "sketch_forms": {
+                             form: cost.to_json() for form, cost in variants.items()}} if sketch else {})
+                         | ({"dropbp": dropbp.to_json()} if cfg.credit.source == "dropbp" else {})))
     else:
         print(f"nominal matrix/attention FLOPs per target ({args.preset}"
               f"{' + overrides' if args.overrides else ''}; Kaplan et al. 2020 convention)")
         print(budget.derivation())
-        if sketch:
-            print(sketch.derivation())
+        for cost in variants.values():
+            print(cost.derivation())
+        print(dropbp.derivation())
     return 0
 
 
@@ -69,6 +77,7 @@ def cmd_check(args) -> int:
     import torch
 
     from creditlab import checks
+    from creditlab.checks import fp8 as checks_fp8
 
     cfg = load_config(args)
     seeds = parse_seeds(args.seeds) if args.seed is None else [args.seed]
@@ -110,6 +119,16 @@ def cmd_check(args) -> int:
     print(f"native vs finite differences:      {verdict(fd['passed'])} ({len(fd['groups'])} trunk parameters of "
           f"{fd['config']}, seed {fd['seed']}: each directional derivative against the forward pass's central "
           f"difference, largest error {fd['largest_error_over_tolerance']:.2f} of its tolerance)")
+    f8 = result["fp8"]
+    print(f"fp8 corrections within FP8's bound: {verdict(f8['passed'])} ({f8['products']} products of {f8['config']}: "
+          f"relative error {f8['rel_err_min']:.3f}-{f8['rel_err_max']:.3f} against the float64 product, largest "
+          f"entry {f8['error_over_bound_max']:.2f} of its rounding bound; a scale off by {checks_fp8.WRONG_SCALE:g}x: "
+          f"{f8['mutant_error_over_bound_max']:.2f} of it, caught: {f8['mutant_caught']}; trunk gradient "
+          f"{f8['trunk_rel_err_max']:.3f} from native's at most)")
+    dbp = result["dropbp"]
+    print(f"dropbp == constant branches:       {verdict(dbp['passed'])} (dropped branches' parameters with a "
+          f"gradient: {dbp['dropped_with_gradient']}; none dropped vs native {dbp['none_dropped_max_rel_err']:.1e}, "
+          f"a pattern vs its outputs as constants {dbp['reference_max_rel_err']:.1e})")
     print(f"all checks: {verdict(result['passed'])}")
     return 0 if result["passed"] else 1
 
@@ -528,7 +547,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("flops", help="print the nominal FLOP derivation per target")
     _config_args(p)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--sketch", action="store_true", help="also the `sketch` source's cost at credit.sketch_rank "
+    p.add_argument("--sketch", action="store_true", help="also the `sketch` source's cost at credit.sketch_rank, "
+                                                         "each form of credit.sketch with its refresh "
                                                          "(implied by credit.source=sketch)")
     p.set_defaults(func=cmd_flops)
 
@@ -557,7 +577,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="override one config field; repeatable")
     p.add_argument("--arms", default=None,
                    help="comma-separated arms: native, oracle, zero, learned, typed, fitted_feedback, dfa, fdfa, "
-                        "sketch, dni, intermittent; an arm's own overrides as name@section.key=value")
+                        "sketch, dni, dropbp, intermittent; an arm's own overrides as name@section.key=value")
     p.add_argument("--seeds", default=None, help="comma-separated seeds (default 1,2,3)")
     p.add_argument("--repeat", type=int, default=None, metavar="K",
                    help="run each seed K times (the same init and data order) to measure run-to-run noise")

@@ -62,13 +62,19 @@ class CreditConfig:
     teacher_every: int = 4  # one exact teacher update in K (the fitted sources; 0 = never), for `fixed`
     # Which updates are exact (credit/schedules.py): fixed | fixed:K | never | warmup:N[,K] | adaptive[:A,B].
     schedule: str = "fixed"
-    materialized: bool = False  # decode every correction at the tap (to measure what streaming saves)
     predictor_lr: float = 1e-2  # held-out fit after 150 teacher steps (tiny): 3e-3 0.82, 1e-2 0.78, 3e-2 0.77, 1e-1 0.81
     # `dfa`'s scale: "none" (the random feedback as drawn) or "calibrated" (each branch's feedback scaled to the
     # RMS of its true corrections, measured on teacher updates: dfa then has teacher updates like a fitted source)
     dfa_scale: str = "none"
-    sketch_rank: int = 32  # `sketch`: rank k of the factor of each omitted product's weight
-    sketch_every: int = 50  # `sketch`: updates between refreshes of the factor (truncated SVD of the weight)
+    # `sketch`: how each omitted product dY W is approximated at rank k (credit/sketch.py). "svd": (dY W V) V^T with
+    # V the leading k right singular vectors of W, refreshed by a full SVD every sketch_every updates (biased: the
+    # part of dY W outside span(V) is dropped); "subspace": the same sketch, its basis refreshed by two steps of
+    # subspace iteration warm-started from the last basis (the first refresh a randomized range finder);
+    # "sampled": the unbiased estimate (dY S)(S^T W)/k with S a fresh (m, k) Rademacher matrix every micro-batch,
+    # drawn from train.seed, the update and the micro-batch (no basis, no refresh).
+    sketch: str = "svd"
+    sketch_rank: int = 32  # `sketch`: rank k of the factor of each omitted product's weight (directions sampled)
+    sketch_every: int = 50  # `sketch`: updates between refreshes of the basis (svd, subspace; sampled has none)
     # How the fitted sources' decoders are fitted on teacher updates: "adam" (one gradient step per teacher update
     # on the regression loss) or "lstsq" (closed form: the features' Gram matrix and their cross moment with the
     # true corrections are streamed in the backward, averaged across teacher updates with weight fit_decay on the

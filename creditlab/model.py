@@ -5,9 +5,10 @@ residual stream, and its omitted product reads `credit.branch(b, n)`. The produc
 are the ones the credit context computes, `credit.product(b, n_b, W)`: the Q/K/V projection of attention (which
 also applies QK-norm and rotary in its epilogue: qk_norm.py) and the expansion of the MLP (which also applies
 ReLU^2: relu2.py). Everything else in a branch (the attention gate, the value embeddings, the output projections)
-reads `n` itself and stays exact. The residual stream entering the final norm passes `credit.terminal(x)`: the
-tap where the terminal error appears in backward; `credit.finish(loss)` may add exactly-zero terms that carry
-injected corrections (credit/sources.py).
+reads `n` itself and stays exact. What the residual stream adds of a branch's output passes `credit.output(b, y)`
+(a source may detach it, skipping that branch's whole backward: credit/dropbp.py). The residual stream entering
+the final norm passes `credit.terminal(x)`: the tap where the terminal error appears in backward;
+`credit.finish(loss)` may add exactly-zero terms that carry injected corrections (credit/sources.py).
 
 The fused modules (the norms that keep only their output, the Q/K/V product with its epilogue, the attention
 gate's thin product, the MLP's ReLU^2 inside its products) compute the same functions as their op-by-op forms,
@@ -75,7 +76,7 @@ def relu_squared(h: torch.Tensor) -> torch.Tensor:
 
 class ExactCredit:
     """Native backprop: nothing omitted, nothing injected. Credit sources subclass this (credit/sources.py; the
-    contract of its four methods: credit/README.md)."""
+    contract of its five methods: credit/README.md)."""
 
     def branch(self, index: int, n: torch.Tensor) -> torch.Tensor:
         """What branch `index`'s omitted product reads of its input n."""
@@ -92,6 +93,11 @@ class ExactCredit:
         if not isinstance(activation, (ReLU2, QKEpilogue)):
             raise ValueError(f"unknown activation {activation!r}")
         return activation.product(n, weight)
+
+    def output(self, index: int, y: torch.Tensor) -> torch.Tensor:
+        """What the residual stream adds of branch `index`'s output y: y, or y.detach() to skip the branch's whole
+        backward (its input and weight gradients) while the residual path stays exact (credit/dropbp.py)."""
+        return y
 
     def terminal(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -199,9 +205,11 @@ class Block(nn.Module):
         x = self.resid_mix[0] * x + self.resid_mix[1] * x0
         a, m = 2 * self.index, 2 * self.index + 1  # the block's branches
         n = self.norm(x)
-        x = x + self.attn(n, credit.product(a, credit.branch(a, n), self.attn.qkv.weight, self.attn.epilogue()), ve)
+        y = self.attn(n, credit.product(a, credit.branch(a, n), self.attn.qkv.weight, self.attn.epilogue()), ve)
+        x = x + credit.output(a, y)
         n = self.norm(x)
-        x = x + self.mlp(credit.product(m, credit.branch(m, n), self.mlp.fc.weight, self.mlp.activation))
+        y = self.mlp(credit.product(m, credit.branch(m, n), self.mlp.fc.weight, self.mlp.activation))
+        x = x + credit.output(m, y)
         return x
 
 

@@ -133,14 +133,38 @@ class Trainer:
         self.optimizers = Optimizers(self.model, cfg.train)
         self.loader = loader if loader is not None else data.make_loader(
             cfg, "train", self.runtime.rank, self.runtime.world_size)
-        self.ddp = DDP(self.model, device_ids=[self.runtime.local_rank] if self.runtime.is_cuda else None) \
+        # A source whose backward leaves some parameters without a gradient (dropbp's dropped branches) has DDP
+        # look for them after each backward; otherwise it would wait for their gradients forever.
+        self.ddp = DDP(self.model, device_ids=[self.runtime.local_rank] if self.runtime.is_cuda else None,
+                       find_unused_parameters=getattr(self.source, "unused_parameters", False)) \
             if self.runtime.world_size > 1 else None
-        self._forward = rt.maybe_compile(self.ddp or self.model, self.runtime)
+        self._forward = self._compile()
         self.flops_per_token = flop_budget(cfg.model, max(cfg.credit.teacher_every, 2)).total_per_token
         self.peak_tflops = peak_tflops
         self.update_index = 0
         self._ahead: tuple[int, torch.Tensor] | None = None  # (loader position, the batch made ahead for it)
         self.watch = LossWatch(cfg.model.vocab_size, cfg.train.stall_updates) if cfg.train.stall_updates else None
+
+    def _compile(self):
+        """The forward a micro-batch runs: the whole model compiled (where the runtime compiles), or, for a source
+        that makes a Python choice per update inside the blocks (dropbp's drop pattern), each block compiled on its
+        own: a choice then costs a block a few graph variants (the source's `compile_per_block`), where the whole
+        model would need a graph per combination of every block's choices."""
+        variants = getattr(self.source, "compile_per_block", 0)
+        if not (self.runtime.compile and variants):
+            return rt.maybe_compile(self.ddp or self.model, self.runtime)
+        import torch._dynamo
+
+        # Every block's graphs are cached on the one code object Block.forward, each block's apart (the blocks
+        # differ in their index; models of one config share them): the source's variants, and the trainer's own
+        # exact context with a gradient (native updates, alignment) and without (evaluation). Past the limit the
+        # compiler would run the remaining blocks eagerly.
+        config = torch._dynamo.config
+        limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, limit, max(getattr(config, limit), (variants + 2) * len(self.model.blocks)))
+        for block in self.model.blocks:  # (kept by the model's blocks: a deep copy of the model calls these)
+            block.forward = rt.maybe_compile(block.forward, self.runtime)
+        return self.ddp or self.model
 
     def close(self) -> None:
         """Drop the DDP wrapper (and the compiled forward around it) before the process group is destroyed.

@@ -58,12 +58,12 @@ def test_presets_are_fresh_objects():
     ("model.logit_cap=30", "model", "logit_cap", 30.0, float),
     ("train.lr_muon=1e-3", "train", "lr_muon", 1e-3, float),
     ("train.cooldown_frac=0.25", "train", "cooldown_frac", 0.25, float),
-    ("credit.materialized=true", "credit", "materialized", True, bool),
-    ("credit.materialized=True", "credit", "materialized", True, bool),
-    ("credit.materialized=yes", "credit", "materialized", True, bool),
-    ("credit.materialized=1", "credit", "materialized", True, bool),
-    ("credit.materialized=off", "credit", "materialized", False, bool),
-    ("credit.materialized=0", "credit", "materialized", False, bool),
+    ("compare.floors=true", "compare", "floors", True, bool),
+    ("compare.floors=True", "compare", "floors", True, bool),
+    ("compare.floors=yes", "compare", "floors", True, bool),
+    ("compare.floors=1", "compare", "floors", True, bool),
+    ("compare.floors=off", "compare", "floors", False, bool),
+    ("compare.floors=0", "compare", "floors", False, bool),
     ("credit.source=dfa", "credit", "source", "dfa", str),
     ("data.dir=some/where=odd", "data", "dir", "some/where=odd", str),  # only the first '=' splits
     ("train.device=cpu", "train", "device", "cpu", str),
@@ -114,7 +114,7 @@ def test_malformed_keys_are_config_errors(override):
     ("model.layers=abc", ["model.layers", "'abc'", "int"]),
     ("model.layers=2.5", ["model.layers", "int"]),
     ("train.lr_muon=fast", ["train.lr_muon", "float"]),
-    ("credit.materialized=maybe", ["credit.materialized", "bool"]),
+    ("compare.floors=maybe", ["compare.floors", "bool"]),
 ])
 def test_bad_values_raise_a_clear_error(override, words):
     with pytest.raises(ConfigError) as exc:
@@ -142,6 +142,7 @@ def test_bad_values_raise_a_clear_error(override, words):
     (["credit.source=dni", "credit.fit=exact"], "credit.fit must be one of adam|lstsq"),
     (["credit.source=learned", "credit.fit_decay=1"], "credit.fit_decay must lie in [0, 1)"),
     (["credit.source=sketch", "credit.sketch_every=0"], "credit.sketch_rank and credit.sketch_every must be positive"),
+    (["credit.source=sketch", "credit.sketch=bogus"], "credit.sketch must be one of svd|subspace|sampled, got 'bogus'"),
     (["credit.source=dfa", "credit.dfa_scale=loud"], "credit.dfa_scale must be one of none|calibrated"),
     (["credit.teacher_every=-1"], "teacher_every"),
     (["model.head=fp16"], "model.head"),
@@ -257,7 +258,7 @@ def test_boundary_combinations_are_accepted():
 
 @pytest.mark.parametrize("preset", sorted(config.PRESETS))
 def test_to_dict_from_dict_round_trip(preset):
-    cfg = config.load(preset, ["model.logit_cap=20", "credit.materialized=on", "data.dir=x/y",
+    cfg = config.load(preset, ["model.logit_cap=20", "compare.floors=off", "data.dir=x/y",
                                "train.lr_embed=0.125"])
     again = Config.from_dict(cfg.to_dict())
     assert again == cfg
@@ -265,7 +266,7 @@ def test_to_dict_from_dict_round_trip(preset):
     # Through JSON too (what a run record stores): ints written for floats come back as floats.
     back = Config.from_dict(json.loads(cfg.to_json()))
     assert back == cfg
-    assert type(back.model.logit_cap) is float and type(back.credit.materialized) is bool
+    assert type(back.model.logit_cap) is float and type(back.compare.floors) is bool
 
 
 def test_from_dict_coerces_int_to_float_and_rejects_wrong_types():
@@ -292,7 +293,7 @@ def test_a_record_of_settings_that_no_longer_exist_names_the_commit_that_reads_i
 
 
 def test_from_dict_reads_strings_as_overrides_do():
-    cfg = Config.from_dict({"model": {"layers": "6"}, "credit": {"materialized": "yes"}})
-    assert cfg.model.layers == 6 and cfg.credit.materialized is True
+    cfg = Config.from_dict({"model": {"layers": "6"}, "compare": {"floors": "no"}})
+    assert cfg.model.layers == 6 and cfg.compare.floors is False
 
 

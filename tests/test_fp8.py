@@ -38,7 +38,7 @@ def test_the_emulated_product_is_the_product_of_the_fp8_values():
 
 
 def test_fp8_corrections_lie_in_their_band_and_a_wrong_scale_leaves_it():
-    r = fp8_checks.fp8_check(tiny(), seed=1)
+    r = checks.fp8_band_check(tiny(), seed=1)
     assert r["products"] == 8 and r["passed"], r
     assert 0.01 < r["rel_err_min"] <= r["rel_err_max"] < 0.15  # e5m2's three significant bits, not zero
     assert r["error_over_bound_max"] <= 1.0 < r["mutant_error_over_bound_max"]
@@ -47,7 +47,7 @@ def test_fp8_corrections_lie_in_their_band_and_a_wrong_scale_leaves_it():
 def test_the_check_fails_when_the_products_are_not_in_fp8(monkeypatch):
     """Exact products in place of the FP8 ones: the band's 'not zero' side fails, so the check can fail."""
     monkeypatch.setattr(fp8_source, "fp8_input_gradient", lambda dy, weight, *rest: dy @ weight.to(dy.dtype))
-    r = fp8_checks.fp8_check(tiny(), seed=1)
+    r = checks.fp8_band_check(tiny(), seed=1)
     assert not r["nonzero"] and not r["passed"]
 
 

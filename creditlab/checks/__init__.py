@@ -8,7 +8,11 @@
 * streaming: the streaming injection of the learned source equals decoding every correction explicitly
   and injecting it (and so does the materialized organization);
 * linearity: c(alpha e1 + beta e2) = alpha c(e1) + beta c(e2);
-* reverse-causal support: dc_t/de_s is exactly zero for s < t and nonzero somewhere for s >= t.
+* reverse-causal support: dc_t/de_s is exactly zero for s < t and nonzero somewhere for s >= t;
+* fp8: the `fp8` source's corrections within the bound of FP8 rounding of the exact ones, and not equal to them,
+  a wrong scale caught (checks/fp8.py);
+* dropbp: a dropped branch's parameters get exactly zero gradient, dropping nothing is native, and a pattern gives
+  the gradient of the forward whose dropped branch outputs enter as constants (written without the credit hook).
 
 These are interface checks, not learning evidence.
 """
@@ -27,6 +31,7 @@ from creditlab.config import CreditConfig, ModelConfig
 from creditlab.credit.predictor import LearnedSource, Predictor, StateCredit, TypedSource, decode_all
 from creditlab.credit.sources import InjectCredit, OracleSource, RecordCredit, ZeroSource
 from creditlab.model import GPT, ExactCredit
+from creditlab.checks.fp8 import fp8_check
 
 TOLERANCE = 1e-10
 
@@ -283,6 +288,74 @@ def streaming_check(cfg: ModelConfig, seed: int, source_class=LearnedSource) -> 
             "zero_max_rel_err": max(zero.values())}
 
 
+def branch_parameters(model: GPT, branch: int) -> list[str]:
+    """The names of the parameters inside branch `branch` (its attention or MLP module)."""
+    kind = "attn" if branch % 2 == 0 else "mlp"
+    return [name for name, _ in model.named_parameters() if name.startswith(f"blocks.{branch // 2}.{kind}.")]
+
+
+def _branch_module(model: GPT, branch: int) -> torch.nn.Module:
+    block = model.blocks[branch // 2]
+    return block.attn if branch % 2 == 0 else block.mlp
+
+
+def constant_branches_reference(model: GPT, idx, targets, dropped: list[bool]) -> dict[str, torch.Tensor]:
+    """Native's trunk gradients of the forward in which each dropped branch's output is a constant: its value from
+    a separate forward pass under no_grad, put in place of the branch module's output by a forward hook. No credit
+    context takes part (the model runs native), so this route shares nothing with the `output` hook."""
+    branches = [b for b, drop in enumerate(dropped) if drop]
+    constants = {}
+    handles = [_branch_module(model, b).register_forward_hook(
+        lambda module, args, y, b=b: constants.__setitem__(b, y.detach().clone())) for b in branches]
+    try:
+        with torch.no_grad():
+            model(idx, targets)
+    finally:
+        for h in handles:
+            h.remove()
+    handles = [_branch_module(model, b).register_forward_hook(lambda module, args, y, b=b: constants[b])
+               for b in branches]
+    try:
+        return _trunk_grads(model, idx, targets, ExactCredit())
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def dropbp_check(cfg: ModelConfig, seed: int, dropped: list[bool] | None = None, context=None) -> dict:
+    """The dropbp step (`context(dropped)`, default DropBPSource's) in float64 against three references: (a) every
+    parameter of a dropped branch gets exactly zero gradient; (b) with no branch dropped the gradients equal
+    native's; (c) with the pattern `dropped` (default: every third branch from the second, both kinds) they equal
+    `constant_branches_reference`. The kept branches' gradients are not native's (a dropped branch changes the
+    gradient reaching everything below it), which `differs_from_native` (over the parameters outside the dropped
+    branches) confirms, so (c) is not (b) again."""
+    from creditlab.credit.dropbp import DropBPSource
+
+    if context is None:
+        context = DropBPSource(cfg.branches, rate=0.0, seed=seed).dropping
+    dropped = [b % 3 == 1 for b in range(cfg.branches)] if dropped is None else list(dropped)
+    model = randomized_model(cfg, seed)
+    idx, targets = _batch(cfg, seed)
+    native = _trunk_grads(model, idx, targets, ExactCredit())
+    none_dropped = _rel_errors(_trunk_grads(model, idx, targets, context([False] * cfg.branches)), native)
+    model.zero_grad(set_to_none=True)
+    model(idx, targets, credit=context(dropped)).backward()
+    got = {name: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for name, p in model.trunk_parameters()}
+    params = dict(model.named_parameters())
+    in_dropped = [name for b, drop in enumerate(dropped) if drop for name in branch_parameters(model, b)]
+    nonzero = sorted(name for name in in_dropped if params[name].grad is not None and params[name].grad.any())
+    reference = _rel_errors(got, constant_branches_reference(model, idx, targets, dropped))
+    result = {"dropped": [name for b, name in enumerate(model.branch_names()) if dropped[b]],
+              "dropped_parameters": len(in_dropped), "dropped_with_gradient": nonzero,
+              "none_dropped_max_rel_err": max(none_dropped.values()),
+              "reference_max_rel_err": max(reference.values()),
+              "differs_from_native": max(err for name, err in _rel_errors(got, native).items()
+                                         if name not in in_dropped)}
+    result["passed"] = bool(in_dropped and not nonzero and result["none_dropped_max_rel_err"] <= TOLERANCE
+                            and result["reference_max_rel_err"] <= TOLERANCE and result["differs_from_native"] > 1e-6)
+    return result
+
+
 def _random_states(cfg: ModelConfig, predictor: Predictor, seed: int, batch: int = 2, seq: int = 12):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, seq, cfg.width, dtype=torch.float64, generator=g)
@@ -327,10 +400,17 @@ def randomized_predictor(cfg: ModelConfig, seed: int, rank: int = 4, cls=Predict
     return predictor
 
 
+def fp8_band_check(cfg: ModelConfig, seed: int) -> dict:
+    """The `fp8` source's corrections within FP8's rounding bound of the exact ones (checks/fp8.py)."""
+    model = randomized_model(cfg, seed)
+    idx, targets = _batch(cfg, seed)
+    return fp8_check(model, idx, targets, _trunk_grads(model, idx, targets, ExactCredit()), cfg.branches)
+
+
 def run_all(configs: dict[str, ModelConfig], seeds: list[int]) -> dict:
     """Every check on every config and seed; JSON-ready, with an overall verdict."""
     groups, zero_differs, mutation_caught, runs = [], True, True, []
-    streaming_ok, linear, causal, omissions = True, [], [], []
+    streaming_ok, linear, causal, omissions, dropbp = True, [], [], [], []
     for label, cfg in configs.items():
         for seed in seeds:
             r = oracle_checks(cfg, seed)
@@ -340,6 +420,8 @@ def run_all(configs: dict[str, ModelConfig], seeds: list[int]) -> dict:
                          "omission": omissions[-1]})
             groups += [{"name": f"{label}/seed{seed}/{gr['name']}", "rel_err": gr["rel_err"]} for gr in r["groups"]]
             zero_differs &= r["zero_max_rel_err"] > 1e-6
+            dropbp.append(dropbp_check(cfg, seed))
+            runs[-1]["dropbp"] = dropbp[-1]
             mutation_caught &= r["mutation"]["caught"]
             for source_class in (LearnedSource, TypedSource):  # the seed's code layout and the typed one
                 s = streaming_check(cfg, seed, source_class)
@@ -353,6 +435,7 @@ def run_all(configs: dict[str, ModelConfig], seeds: list[int]) -> dict:
     label, cfg = next(((label, cfg) for label, cfg in configs.items() if label == "seed-structure"),
                       next(iter(configs.items())))
     finite = finite_difference_check(cfg, seeds[0]) | {"config": label, "seed": seeds[0]}
+    fp8 = fp8_band_check(cfg, seeds[0]) | {"config": label, "seed": seeds[0]}
     max_err = max(g["rel_err"] for g in groups)
     result = {
         "oracle": {"groups": groups, "max_rel_err": max_err, "passed": max_err <= TOLERANCE,
@@ -366,11 +449,17 @@ def run_all(configs: dict[str, ModelConfig], seeds: list[int]) -> dict:
         "reverse_causal": {"nonzero_before": sum(r["nonzero_before"] for r in causal),
                            "passed": all(r["passed"] for r in causal)},
         "finite_differences": finite,
+        "fp8": fp8,
+        "dropbp": {"reference_max_rel_err": max(d["reference_max_rel_err"] for d in dropbp),
+                   "none_dropped_max_rel_err": max(d["none_dropped_max_rel_err"] for d in dropbp),
+                   "dropped_with_gradient": sum(len(d["dropped_with_gradient"]) for d in dropbp),
+                   "passed": all(d["passed"] for d in dropbp)},
         "runs": runs,
     }
     result["passed"] = bool(result["oracle"]["passed"] and result["omission"]["passed"] and zero_differs and mutation_caught and streaming_ok
                             and result["linearity"]["passed"] and result["reverse_causal"]["passed"]
-                            and finite["passed"])
+                            and finite["passed"] and fp8["passed"]
+                            and result["dropbp"]["passed"])
     return result
 
 

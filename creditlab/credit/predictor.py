@@ -12,8 +12,9 @@ positions s >= t (the reverse mean), and c is linear in e because every gate is 
 
 Streaming (the default) never builds the 16 corrections at the tap: it injects through the adjoint
 (credit/sources.py; the tap hands the code of e to every branch's share), so each c_b is decoded by autograd
-when the backward reaches branch b, and freed after its norm VJP consumed it. `materialized=True` decodes all 16
-at the tap instead, to measure what that costs.
+when the backward reaches branch b, and freed after its norm VJP consumed it. A source's `materialized = True`
+decodes all 16 at the tap instead: a mode the float64 check sets (streaming == materialized), no longer a config
+key (measured slower and heavier than streaming, benchmarks/predictor_cost.md).
 """
 
 from __future__ import annotations
@@ -181,7 +182,7 @@ class LearnedSource(FittedSource):
     def __init__(self, model: ModelConfig, credit: CreditConfig):
         super().__init__(credit)
         self.predictor = self.predictor_class(model, credit.rank)
-        self.materialized = credit.materialized
+        self.materialized = False  # True: every correction decoded at the tap (the float64 check sets it)
 
     @classmethod
     def from_config(cls, cfg: Config) -> "LearnedSource":

@@ -20,6 +20,8 @@ SOURCES: dict[str, str] = {
     "fitted_feedback": "creditlab.credit.feedback:FittedFeedbackSource",
     "fdfa": "creditlab.credit.fdfa:FDFASource",
     "sketch": "creditlab.credit.sketch:SketchSource",
+    "fp8": "creditlab.credit.fp8:Fp8Source",
+    "dropbp": "creditlab.credit.dropbp:DropBPSource",
 }
 
 
