@@ -258,7 +258,9 @@ def test_affine_variant_fails_linearity_check():
 def test_run_all_reports_the_json_shape():
     result = checks.run_all({"small": SMALL}, [0])
     assert result["passed"]
-    assert set(result) >= {"oracle", "zero_differs", "mutation_caught", "linearity", "reverse_causal", "passed"}
+    assert set(result) >= {"oracle", "zero_differs", "mutation_caught", "linearity", "reverse_causal", "fp8", "dropbp",
+                           "passed"}
+    assert result["fp8"]["passed"] and result["dropbp"]["passed"]
     assert {"name", "rel_err"} == set(result["oracle"]["groups"][0])
 
 

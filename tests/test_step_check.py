@@ -47,7 +47,7 @@ def test_the_compiled_step_agrees_with_the_float64_reference(source, kinds, aot_
 
 
 # The quick run checks the cheap ones; exact, zero and learned are checked just above, and the slow run checks all.
-SLOW_TO_COMPILE = ("exact", "zero", "learned", "typed", "dni", "fdfa", "fitted_feedback")
+SLOW_TO_COMPILE = ("exact", "zero", "learned", "typed", "dni", "fdfa", "fitted_feedback", "dfa", "oracle")
 
 
 @pytest.mark.parametrize("source", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_TO_COMPILE else s
