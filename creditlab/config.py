@@ -8,6 +8,7 @@ of the wrong type is an error that lists what is valid.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import typing
@@ -244,7 +245,25 @@ def _tiny() -> Config:
 COSMETIC_KEYS = ("train.log_every", "train.out_dir", "train.keep_checkpoints", "train.stall_updates")
 
 
-PRESETS: dict[str, typing.Callable[[], Config]] = {"seed": _seed, "tiny": _tiny}
+def seed_at_width(width: int) -> Config:
+    """The seed model at another width, one knob: heads = width / 128 (the seed's head width), MLP 4 x width, the
+    seed's depth, windows and tokens per update (256 windows of 2,048); the micro-batch shrinks as the width grows,
+    the accumulation making up the tokens, so that one micro-batch's activations stay about the seed's: 64 windows
+    at 512, 32 at 1,024, 16 from 1,536."""
+    if width % 128 or width < 128:
+        raise ConfigError(f"a seed width must be a positive multiple of 128 (one head each), got {width}")
+    cfg = Config()
+    cfg.model = ModelConfig(width=width, heads=width // 128, mlp_hidden=4 * width)
+    windows = cfg.train.micro_batch * cfg.train.grad_accum
+    micro = 64 if width <= 512 else 32 if width <= 1024 else 16
+    cfg.train = TrainConfig(micro_batch=micro, grad_accum=windows // micro)
+    return cfg
+
+
+SEED_WIDTHS = (1024, 1536, 2048)  # the widths where the cost of the omitted products is measured against width
+
+PRESETS: dict[str, typing.Callable[[], Config]] = {
+    "seed": _seed, "tiny": _tiny, **{f"seed-w{w}": functools.partial(seed_at_width, w) for w in SEED_WIDTHS}}
 
 
 def _fields(obj) -> dict[str, dataclasses.Field]:

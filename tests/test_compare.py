@@ -215,6 +215,7 @@ def test_train_writes_eval_rows_and_heldout_is_read_once(corpus, tmp_path, capsy
     assert "already read under admission" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # separate processes, each compiling
 def test_merge_joins_seeds_run_in_separate_processes(corpus, tmp_path, capsys):
     sets = SMALL + shards(corpus) + NO_BUDGETS + ["train.updates=3", "train.eval_tokens=128"]
     argv = [a for o in sets for a in ("--set", o)]

@@ -44,6 +44,22 @@ def test_seed_preset_matches_design_section_2():
     assert s.peak_gate_mib == 23_400.0 and s.cycle_gate == 0.93
 
 
+@pytest.mark.parametrize("width", [512, *config.SEED_WIDTHS])
+def test_a_seed_width_derives_heads_mlp_and_micro_batch_and_keeps_the_tokens(width):
+    cfg = config.seed_at_width(width)
+    seed = config.load("seed")
+    assert cfg.model.heads * 128 == width and cfg.model.mlp_hidden == 4 * width and cfg.model.head_dim == 128
+    assert cfg.model.layers == seed.model.layers and cfg.model.seq_len == seed.model.seq_len
+    assert cfg.train.micro_batch * cfg.train.grad_accum == seed.train.micro_batch * seed.train.grad_accum
+    assert cfg.train.micro_batch * width <= seed.train.micro_batch * 512  # a micro-batch's activations: no more
+    if width == 512:
+        assert cfg == seed  # the seed itself
+    else:
+        assert config.load(f"seed-w{width}") == cfg
+    with pytest.raises(ConfigError, match="multiple of 128"):
+        config.seed_at_width(width + 64)
+
+
 def test_presets_are_fresh_objects():
     a, b = config.load("tiny"), config.load("tiny")
     a.model.layers = 99

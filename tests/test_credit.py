@@ -641,7 +641,8 @@ def train_eager_and_compiled(overrides: list[str], monkeypatch, op_by_op: bool =
     return rows, losses, params
 
 
-# one case in the quick run, the rest with the long tests (pytest -m slow)
+# every case with the long tests (pytest -m slow): the step check compiles each source in the quick run
+@pytest.mark.slow
 @pytest.mark.parametrize("name, fit", [("learned", "adam")] + [
     pytest.param(*case, marks=pytest.mark.slow) for case in (("dni", "adam"), ("learned", "lstsq"), ("dni", "lstsq"),
                                                              ("typed", "lstsq"), ("fitted_feedback", "lstsq"),
@@ -658,6 +659,7 @@ def test_fitted_sources_train_the_same_through_the_compiler(name, fit, monkeypat
     assert any(p.abs().max() > 0 for k, p in params[True].items() if k.endswith("decoders"))
 
 
+@pytest.mark.slow
 def test_the_fused_modules_train_the_same_through_the_compiler(monkeypatch):
     """The fused MLP's, QK-norm's and attention gate's Functions (relu2.py, qk_norm.py, attention_gate.py) through
     the compiler, in teacher (exact) and synthetic (omitting) micro-batches of the learned source. Three updates:

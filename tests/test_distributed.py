@@ -27,7 +27,8 @@ def _run_train(out: Path, processes: int, overrides: list[str]) -> subprocess.Co
     return done
 
 
-@pytest.mark.parametrize("source", ["exact", pytest.param("learned", marks=pytest.mark.slow)])
+@pytest.mark.slow  # two processes, each compiling: the long tests
+@pytest.mark.parametrize("source", ["exact", "learned"])
 def test_torchrun_two_processes_train(tmp_path, source):
     out = _run_train(tmp_path, 2, ["model.vocab_size=97", "train.updates=3", "train.warmup=0", "credit.teacher_every=2",
                                    f"credit.source={source}"])

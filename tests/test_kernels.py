@@ -154,6 +154,7 @@ def test_the_operator_declares_its_shapes_truthfully(softcap_ce):
     assert all(softcap_ce["opcheck"].values()), softcap_ce["opcheck"]
 
 
+@pytest.mark.slow  # compiles the whole model (about 20 s on two cores)
 def test_the_compiled_model_keeps_no_chunk_of_logits_for_the_backward(compiled_head):
     # The head loss as one operator: only grad_h and grad_w are kept, no chunk of logits (or their gradient).
     assert compiled_head["logits_kept_fused"] == 0, compiled_head

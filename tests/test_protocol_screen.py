@@ -449,6 +449,7 @@ scr.admitted_screen(sys.argv[1], sys.argv[2], root=sys.argv[3], hooks=scr.Hooks(
 """
 
 
+@pytest.mark.slow  # a process killed and a second one run
 def test_a_killed_screen_leaves_a_record_and_the_next_is_its_retry(tmp_path, decisive):
     root = tree(tmp_path / "repo")
     a, _ = adm.admit(cfg_for(tmp_path, "screen.cycle_gate=0.25"), root=root)
