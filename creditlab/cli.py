@@ -17,6 +17,7 @@ import signal
 import sys
 
 from creditlab import config as config_mod
+from creditlab.credit.registry import SOURCES  # the sources by name, for the arms in --help (imports nothing heavy)
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -576,8 +577,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config field; repeatable")
     p.add_argument("--arms", default=None,
-                   help="comma-separated arms: native, oracle, zero, learned, typed, fitted_feedback, dfa, fdfa, "
-                        "sketch, dni, dropbp, intermittent; an arm's own overrides as name@section.key=value")
+                   help=f"comma-separated arms: native, {', '.join(s for s in SOURCES if s != 'exact')}, "
+                        "intermittent; an arm's own overrides as name@section.key=value")
     p.add_argument("--seeds", default=None, help="comma-separated seeds (default 1,2,3)")
     p.add_argument("--repeat", type=int, default=None, metavar="K",
                    help="run each seed K times (the same init and data order) to measure run-to-run noise")

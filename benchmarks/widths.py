@@ -1,0 +1,172 @@
+"""Cost against width: the arms benchmark at the seed model's widths, each arm's ratio to native beside its
+FLOP-proportional ideal, and the narrowest width where the seed's optimistic gate holds.
+
+    python3 benchmarks/widths.py run OUT [--updates 16]     (any CUDA machine; one process per width, resumable)
+    python3 benchmarks/widths.py summarize OUT              (any machine: OUT/widths.md and OUT/widths.png)
+
+`run` calls benchmarks/arms.py once per width (presets `seed`, `seed-w1024`, `seed-w1536`, `seed-w2048`: depth 8,
+heads = width / 128, the same 524,288 tokens an update, micro-batches as config.seed_at_width says), into
+OUT/w<width>/, skipping a width whose arms.json is there already. `summarize` reads them.
+
+The ideal of an arm is what its update would cost if time were proportional to the nominal FLOPs of
+`creditlab flops` at that width, with f the omitted products' share of an update's FLOPs: zero and the learned
+synthetic update 1 - f (the predictor's own FLOPs left out), the teacher 1 (its fit left out), one teacher in four
+(the cycle) 1 - 3f/4, the rank-16 sketch 1 - f + its own FLOPs (refresh amortized), fp8 1 - f/2 (its products at
+twice bf16's rate), dropbp 1 - f in expectation. The gate: the cycle at most 0.93 (DESIGN's one-teacher-in-four
+gate on the cycle's mean time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from creditlab import config as config_mod  # noqa: E402
+from creditlab.experiments.arms_runner import round_ratio  # noqa: E402
+from creditlab.flops import flop_budget, sketch_cost  # noqa: E402
+
+WIDTHS = (512, *config_mod.SEED_WIDTHS)
+ARMS = {  # label: arm spec of benchmarks/arms.py
+    "zero": "zero",
+    "learned (synthetic)": "learned@credit.schedule=never",
+    "teacher": "learned@credit.teacher_every=1",
+    "cycle (one teacher in four)": "learned",
+    "sketch16": "sketch@credit.sketch_rank=16@credit.sketch=subspace",
+    "fp8": "fp8",
+    "dropbp": "dropbp",
+}
+CYCLE_GATE = 0.93
+
+
+def preset(width: int) -> str:
+    return "seed" if width == 512 else f"seed-w{width}"
+
+
+def ideals(width: int) -> dict[str, float]:
+    cfg = config_mod.load(preset(width))
+    budget = flop_budget(cfg.model)
+    f = budget.omitted_fraction
+    tokens_micro = cfg.train.micro_batch * cfg.model.seq_len
+    sketch = sketch_cost(cfg.model, 16, "subspace", cfg.credit.sketch_every, tokens_micro,
+                         tokens_micro * cfg.train.grad_accum)
+    return {"zero": 1 - f, "learned (synthetic)": 1 - f, "teacher": 1.0, "cycle (one teacher in four)": 1 - 0.75 * f,
+            "sketch16": 1 - f + sketch.amortized_per_token / budget.total_per_token, "fp8": 1 - f / 2,
+            "dropbp": 1 - f}
+
+
+def run(out: Path, updates: int) -> int:
+    for width in WIDTHS:
+        folder = out / f"w{width}"
+        if (folder / "arms.json").exists():
+            print(f"w{width}: done already", flush=True)
+            continue
+        arms = ",".join(["native", *ARMS.values()])
+        cmd = [sys.executable, str(Path(__file__).with_name("arms.py")), "--out", str(folder), "--preset",
+               preset(width), "--updates", str(updates), "--arms", arms]
+        print("$ " + " ".join(cmd), flush=True)
+        done = subprocess.run(cmd)
+        if done.returncode != 0:
+            print(f"w{width}: arms.py exited {done.returncode}", file=sys.stderr)
+            return done.returncode
+    return summarize(out)
+
+
+def ratios(arms_json: dict) -> dict[str, dict]:
+    """Per arm label: the ratio to native (the per-round median with its 95% interval where the arm runs one kind
+    of update, its refresh counted; the cycle's mean time over native's median for the cycle)."""
+    by_spec = {r["arm"]: r for r in arms_json["results"]}
+    native = by_spec["native"]
+    base = [row["seconds"] for row in native["rows"]]
+    out = {}
+    for label, spec in ARMS.items():
+        r = by_spec.get(spec)
+        if r is None:
+            continue
+        if "cycle_s" in r:
+            out[label] = {"ratio": r["cycle_s"] / native["median_last6_s"], "low": None, "high": None}
+            continue
+        share = r.get("refresh_share_s") or 0.0
+        got = round_ratio([row["seconds"] + share for row in r["rows"]], base)
+        if got is not None:
+            out[label] = {"ratio": got[0], "low": got[1], "high": got[2]}
+    return out
+
+
+def summarize(out: Path) -> int:
+    found = {w: json.loads((out / f"w{w}" / "arms.json").read_text()) for w in WIDTHS
+             if (out / f"w{w}" / "arms.json").exists()}
+    if not found:
+        print(f"no OUT/w<width>/arms.json under {out}: run `python3 benchmarks/widths.py run {out}` first",
+              file=sys.stderr)
+        return 2
+    table = {w: ratios(d) for w, d in found.items()}
+    ideal = {w: ideals(w) for w in found}
+    devices = sorted({d["meta"]["env"].get("gpu") or "?" for d in found.values()})
+    lines = [f"# Cost against width ({', '.join(devices)})", "",
+             "Each cell: the arm's ratio to native per round (95% interval), then its FLOP-proportional ideal.", "",
+             "| arm | " + " | ".join(f"width {w:,}" for w in found) + " |", "|---" * (len(found) + 1) + "|"]
+    for label in ARMS:
+        cells = []
+        for w in found:
+            r = table[w].get(label)
+            if r is None:
+                cells.append("-")
+                continue
+            interval = f" [{r['low']:.3f}, {r['high']:.3f}]" if r["low"] is not None else ""
+            cells.append(f"{r['ratio']:.3f}{interval}; ideal {ideal[w][label]:.3f}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    passing = [w for w in found if table[w].get("cycle (one teacher in four)", {}).get("ratio", 9) <= CYCLE_GATE]
+    lines += ["", f"The gate (one teacher in four, cycle <= {CYCLE_GATE}): " +
+              (f"holds first at width {min(passing):,}." if passing else "holds at none of these widths.")]
+    (out / "widths.md").write_text("\n".join(lines) + "\n")
+    (out / "widths.json").write_text(json.dumps({"ratios": table, "ideals": ideal, "devices": devices,
+                                                 "gate_first_width": min(passing) if passing else None}, indent=2))
+    figure(out / "widths.png", table, ideal)
+    print("\n".join(lines))
+    return 0
+
+
+def figure(path: Path, table: dict, ideal: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    widths = list(table)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, label in enumerate(ARMS):
+        xs = [w for w in widths if label in table[w]]
+        if not xs:
+            continue
+        color = f"C{i}"
+        ax.plot(xs, [table[w][label]["ratio"] for w in xs], "o-", color=color, label=label)
+        ax.plot(xs, [ideal[w][label] for w in xs], "--", color=color, alpha=0.6)
+    ax.axhline(CYCLE_GATE, color="k", lw=0.8, ls=":", label=f"gate for the cycle ({CYCLE_GATE})")
+    ax.set_xlabel("width (depth 8, heads = width / 128)")
+    ax.set_ylabel("time per update / native's (dashed: FLOP-proportional)")
+    ax.set_xticks(widths)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="what", required=True)
+    r = sub.add_parser("run", help="the arms benchmark at every width, one process each, then the summary")
+    r.add_argument("out", type=Path)
+    r.add_argument("--updates", type=int, default=16)
+    s = sub.add_parser("summarize", help="the table and figure of what ran")
+    s.add_argument("out", type=Path)
+    args = ap.parse_args()
+    return run(args.out, args.updates) if args.what == "run" else summarize(args.out)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

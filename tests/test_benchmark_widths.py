@@ -1,0 +1,56 @@
+"""benchmarks/widths.py: its arms resolve at every width, and its summary reads ratios, ideals and the gate."""
+
+import json
+
+import pytest
+
+from benchmark_scripts import load
+from creditlab import config
+from creditlab.flops import flop_budget
+
+
+def test_every_arm_resolves_at_every_width():
+    widths, arms = load("widths"), load("arms")
+    for width in widths.WIDTHS:
+        for spec in ["native", *widths.ARMS.values()]:
+            cfg = config.load(widths.preset(width), arms.overrides_of(spec))
+            assert cfg.model.width == width and cfg.model.heads == width // 128, (width, spec)
+
+
+def _rows(seconds):
+    return [{"update": i, "kind": "synthetic", "seconds": s} for i, s in enumerate(seconds)]
+
+
+def _arms_json(native: float, zero_ratio: float, cycle_ratio: float) -> dict:
+    base = [native * (1 + 0.01 * (i % 3)) for i in range(12)]  # drift that hits every arm of a round alike
+    return {"meta": {"env": {"gpu": "TEST GPU"}},
+            "results": [{"arm": "native", "rows": _rows(base), "median_last6_s": native},
+                        {"arm": "zero", "rows": _rows([s * zero_ratio for s in base])},
+                        {"arm": "learned", "rows": _rows(base), "cycle_s": cycle_ratio * native},
+                        {"arm": "sketch@credit.sketch_rank=16@credit.sketch=subspace", "rows": _rows(base),
+                         "refresh_share_s": 0.1 * native}]}
+
+
+def test_the_summary_reads_ratios_ideals_and_the_narrowest_width_that_passes(tmp_path):
+    widths = load("widths")
+    for width, cycle in ((512, 0.95), (1024, 0.92), (2048, 0.90)):
+        (tmp_path / f"w{width}").mkdir()
+        (tmp_path / f"w{width}" / "arms.json").write_text(json.dumps(_arms_json(0.3, 0.9, cycle)))
+    assert widths.summarize(tmp_path) == 0
+    got = json.loads((tmp_path / "widths.json").read_text())
+    assert got["gate_first_width"] == 1024 and got["devices"] == ["TEST GPU"]
+    zero = got["ratios"]["512"]["zero"]
+    assert zero["ratio"] == pytest.approx(0.9) and zero["low"] <= 0.9 <= zero["high"]
+    assert got["ratios"]["1024"]["cycle (one teacher in four)"]["ratio"] == pytest.approx(0.92)
+    # a refresh's share counts in the sketch's ratio, as compare counts it
+    assert got["ratios"]["512"]["sketch16"]["ratio"] == pytest.approx(1.1, rel=0.02)
+    f = flop_budget(config.load("seed-w2048").model).omitted_fraction
+    assert got["ideals"]["2048"]["zero"] == pytest.approx(1 - f) and got["ideals"]["2048"]["fp8"] == pytest.approx(1 - f / 2)
+    assert got["ideals"]["512"]["zero"] > got["ideals"]["2048"]["zero"]  # the omitted share grows with width
+    assert "holds first at width 1,024" in (tmp_path / "widths.md").read_text()
+    assert (tmp_path / "widths.png").stat().st_size > 0
+
+
+def test_a_summary_of_nothing_says_what_to_run(tmp_path, capsys):
+    assert load("widths").summarize(tmp_path) == 2
+    assert "benchmarks/widths.py run" in capsys.readouterr().err
