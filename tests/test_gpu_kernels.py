@@ -459,81 +459,37 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and relu2_hopper.gluon is not None
 
 
-def gpu_test(test):
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test))
+# Every kernel the step runs on CUDA, by name: (the comparison at the seed's shapes in bf16, whether it is a Gluon
+# kernel, which runs on compute capability 9 alone). The test's id is the name; each appends its line to the record.
+GPU_COMPARISONS = {
+    "softcap_ce": (lambda: compare_softcap_ce("cuda", torch.bfloat16, SEED), False),
+    "softcap_ce_fp8_gradient": (lambda: compare_softcap_ce("cuda", torch.bfloat16, SEED, fp8=True), False),
+    "tiled_transpose": (lambda: compare_transpose("cuda", torch.bfloat16, SEED), False),
+    "relu2_linear": (lambda: compare_relu2_linear("cuda", torch.bfloat16, SEED), False),
+    "relu2_dgrad_triton": (lambda: compare_relu2_dgrad("cuda", torch.bfloat16, SEED, kernel="triton"), False),
+    "relu2_dgrad_gluon": (lambda: compare_relu2_dgrad("cuda", torch.bfloat16, SEED, kernel="gluon"), True),
+    "qkv_rotary_triton": (lambda: compare_qkv_rotary("cuda", torch.bfloat16, SEED, kernel="triton"), False),
+    "qkv_rotary_gluon": (lambda: compare_qkv_rotary("cuda", torch.bfloat16, SEED, kernel="gluon"), True),
+    "qk_norm_rotary": (lambda: compare_qk_norm_rotary("cuda", torch.bfloat16, SEED), False),
+    "thin_linear": (lambda: compare_thin_linear("cuda", torch.bfloat16, SEED), False),
+    "fit_rows": (lambda: compare_fit_rows("cuda", torch.bfloat16, SEED), False),
+    "fp8_input_gradient": (lambda: compare_fp8_input_gradient("cuda", torch.bfloat16, SEED), False),
+}
 
 
-def hopper_test(test):
-    return gpu_test(pytest.mark.skipif(not _hopper(), reason="the Gluon kernels run on compute capability 9")(test))
-
-
-def _check(request, comparison: Comparison) -> None:
-    """The comparison recorded, then asserted: within its bounds, over them for every wrong variant, and on the
-    kernel (the package routes these operands to it)."""
-    device = torch.device("cuda")
-    comparison.record(request.node.name, device, SEED)
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", list(GPU_COMPARISONS))
+def test_every_kernel_of_the_step_gives_the_float64_result(request, name):
+    """The comparison recorded, then asserted: on the kernel (the package routes these operands to it), within
+    its bounds, and over them for every wrong variant."""
+    make, gluon = GPU_COMPARISONS[name]
+    if gluon and not _hopper():
+        pytest.skip("the Gluon kernels run on compute capability 9")
+    comparison = make()
+    comparison.record(request.node.name, torch.device("cuda"), SEED)
     assert comparison.kernel_takes, f"the package does not route these operands to {comparison.kernel}"
     assert not comparison.failures(), "\n".join(comparison.failures())
-
-
-@gpu_test
-def test_softcap_ce_kernel_gives_the_float64_loss_and_gradient(request):
-    _check(request, compare_softcap_ce("cuda", torch.bfloat16, SEED))
-
-
-@gpu_test
-def test_softcap_ce_kernel_with_the_fp8_heads_e5m2_gradient_gives_the_float64_one(request):
-    _check(request, compare_softcap_ce("cuda", torch.bfloat16, SEED, fp8=True))
-
-
-@gpu_test
-def test_tiled_transpose_moves_the_fp8_heads_matrices_exactly(request):
-    _check(request, compare_transpose("cuda", torch.bfloat16, SEED))
-
-
-@gpu_test
-def test_relu2_linear_kernel_gives_the_float64_expansion(request):
-    _check(request, compare_relu2_linear("cuda", torch.bfloat16, SEED))
-
-
-@gpu_test
-def test_relu2_dgrad_triton_kernel_gives_the_float64_derivative_product(request):
-    _check(request, compare_relu2_dgrad("cuda", torch.bfloat16, SEED, kernel="triton"))
-
-
-@hopper_test
-def test_relu2_dgrad_gluon_kernel_gives_the_float64_derivative_product(request):
-    _check(request, compare_relu2_dgrad("cuda", torch.bfloat16, SEED, kernel="gluon"))
-
-
-@gpu_test
-def test_qkv_rotary_triton_kernel_gives_the_float64_q_k_v(request):
-    _check(request, compare_qkv_rotary("cuda", torch.bfloat16, SEED, kernel="triton"))
-
-
-@hopper_test
-def test_qkv_rotary_gluon_kernel_gives_the_float64_q_k_v(request):
-    _check(request, compare_qkv_rotary("cuda", torch.bfloat16, SEED, kernel="gluon"))
-
-
-@gpu_test
-def test_qk_norm_rotary_kernels_give_the_float64_forward_and_gradient(request):
-    _check(request, compare_qk_norm_rotary("cuda", torch.bfloat16, SEED))
-
-
-@gpu_test
-def test_thin_linear_kernels_give_the_float64_gate_and_its_gradients(request):
-    _check(request, compare_thin_linear("cuda", torch.bfloat16, SEED))
-
-
-@gpu_test
-def test_fit_rows_kernel_gives_the_float64_regression(request):
-    _check(request, compare_fit_rows("cuda", torch.bfloat16, SEED))
-
-
-@gpu_test
-def test_fp8_input_gradient_on_fp8_tensor_cores_is_within_the_formats_bound(request):
-    _check(request, compare_fp8_input_gradient("cuda", torch.bfloat16, SEED))
 
 
 def test_the_comparisons_pass_the_cpu_fallbacks_and_fail_their_wrong_variants():

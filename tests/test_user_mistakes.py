@@ -146,8 +146,10 @@ def test_ctrl_c_during_data_prepare_leaves_the_folder_as_it_was(tmp_path, capsys
 
 
 def test_a_warmup_as_long_as_the_run_is_refused(tmp_path, capsys):
-    refused(capsys, train("train.updates=10", "train.warmup=10", out=tmp_path),
-            "train.warmup (10) must be less than train.updates (10)")
+    line = refused(capsys, train("train.updates=10", "train.warmup=10", out=tmp_path),
+                   "train.warmup (10) must be less than train.updates (10)")
+    assert "lower train.warmup" in line  # the fix, named
+    assert not any(tmp_path.iterdir())  # refused before any record was made
 
 
 @pytest.mark.parametrize("source", [name for name in SOURCES
