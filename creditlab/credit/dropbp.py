@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from creditlab.config import Config
-from creditlab.credit.sources import CreditSource
+from creditlab.credit.sources import CreditSource, stream_seed
 from creditlab.flops import dropbp_rate
 from creditlab.model import ExactCredit
 
@@ -60,7 +60,7 @@ class DropBPSource(CreditSource):
 
     def pattern(self, update: int) -> list[bool]:
         """Which branches update `update` drops: i.i.d. Bernoulli(rate), from the seed and the update alone."""
-        g = torch.Generator().manual_seed(((self.seed * 1_000_003 + update) % 2**63) ^ self.SALT)
+        g = torch.Generator().manual_seed(stream_seed(self.seed, update, self.SALT))
         return (torch.rand(self.branches, generator=g, dtype=torch.float64) < self.rate).tolist()
 
     def dropping(self, dropped: list[bool]) -> DropCredit:

@@ -34,14 +34,11 @@ chooses the factors, in one of two forms:
 
 from __future__ import annotations
 
-import hashlib
-import struct
-
 import torch
 import torch.nn.functional as F
 
 from creditlab.config import Config
-from creditlab.credit.sources import CreditSource
+from creditlab.credit.sources import CreditSource, stream_seed
 from creditlab.model import ExactCredit, GPT
 from creditlab.ops.qk_norm import QKEpilogue
 from creditlab.ops.relu2 import ReLU2, expand_relu2_values
@@ -175,12 +172,6 @@ def randomized_basis(weight: torch.Tensor, rank: int, generator: torch.Generator
     return vh[:rank].t()
 
 
-def stream_seed(*parts: int) -> int:
-    """A seed in [0, 2**63) from integers (a hash, so that nearby tuples give unrelated streams)."""
-    digest = hashlib.blake2b(struct.pack(f"<{len(parts)}q", *parts), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
 def rademacher(shape, generator: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
     """i.i.d. +-1 entries, each sign with probability 1/2, on the generator's device."""
     bits = torch.randint(0, 2, shape, generator=generator, device=generator.device, dtype=torch.int8)
@@ -311,4 +302,4 @@ class SketchSource(CreditSource):
 
 
 __all__ = ["SketchSource", "SketchCredit", "SampledCredit", "leading_basis", "subspace_iteration",
-           "randomized_basis", "projected_estimate", "sampled_estimate", "rademacher", "stream_seed", "FORMS"]
+           "randomized_basis", "projected_estimate", "sampled_estimate", "rademacher", "FORMS"]

@@ -23,6 +23,8 @@ How a correction reaches the residual gradient without a second backward pass or
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import struct
 
 import torch
 import torch.nn as nn
@@ -110,6 +112,13 @@ class TerminalTapCredit(BranchInputCredit):
     def terminal(self, x: torch.Tensor) -> torch.Tensor:
         self.x_terminal = x
         return x
+
+
+def stream_seed(*parts: int) -> int:
+    """A seed in [0, 2**63) from integers (a hash, so that nearby tuples give unrelated streams): how a source
+    draws from its config's seed and where it stands (update, micro-batch, ...) with no generator state to save."""
+    digest = hashlib.blake2b(struct.pack(f"<{len(parts)}q", *parts), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 class CreditSource(nn.Module):
