@@ -107,8 +107,12 @@ def summarize(out: Path) -> int:
     table = {w: ratios(d) for w, d in found.items()}
     ideal = {w: ideals(w) for w in found}
     devices = sorted({d["meta"]["env"].get("gpu") or "?" for d in found.values()})
-    lines = [f"# Cost against width ({', '.join(devices)})", "",
-             "Each cell: the arm's ratio to native per round (95% interval), then its FLOP-proportional ideal.", "",
+    lines = [f"# Cost against width ({', '.join(devices)})", ""]
+    if len(devices) > 1:  # a ratio is compared across widths only where one kind of card measured them all
+        by = ", ".join(f"width {w:,}: {d['meta']['env'].get('gpu') or '?'}" for w, d in found.items())
+        lines += [f"**The widths were measured on different devices ({by}): compare a ratio across widths only "
+                  "among those of one device.**", ""]
+    lines += ["Each cell: the arm's ratio to native per round (95% interval), then its FLOP-proportional ideal.", "",
              "| arm | " + " | ".join(f"width {w:,}" for w in found) + " |", "|---" * (len(found) + 1) + "|"]
     for label in ARMS:
         cells = []

@@ -21,9 +21,9 @@ def _rows(seconds):
     return [{"update": i, "kind": "synthetic", "seconds": s} for i, s in enumerate(seconds)]
 
 
-def _arms_json(native: float, zero_ratio: float, cycle_ratio: float) -> dict:
+def _arms_json(native: float, zero_ratio: float, cycle_ratio: float, gpu: str = "TEST GPU") -> dict:
     base = [native * (1 + 0.01 * (i % 3)) for i in range(12)]  # drift that hits every arm of a round alike
-    return {"meta": {"env": {"gpu": "TEST GPU"}},
+    return {"meta": {"env": {"gpu": gpu}},
             "results": [{"arm": "native", "rows": _rows(base), "median_last6_s": native},
                         {"arm": "zero", "rows": _rows([s * zero_ratio for s in base])},
                         {"arm": "learned", "rows": _rows(base), "cycle_s": cycle_ratio * native},
@@ -49,6 +49,17 @@ def test_the_summary_reads_ratios_ideals_and_the_narrowest_width_that_passes(tmp
     assert got["ideals"]["512"]["zero"] > got["ideals"]["2048"]["zero"]  # the omitted share grows with width
     assert "holds first at width 1,024" in (tmp_path / "widths.md").read_text()
     assert (tmp_path / "widths.png").stat().st_size > 0
+    assert "different devices" not in (tmp_path / "widths.md").read_text()
+
+
+def test_widths_measured_on_different_devices_are_flagged(tmp_path):
+    widths = load("widths")
+    for width, gpu in ((512, "GPU A"), (1024, "GPU B")):
+        (tmp_path / f"w{width}").mkdir()
+        (tmp_path / f"w{width}" / "arms.json").write_text(json.dumps(_arms_json(0.3, 0.9, 0.95, gpu)))
+    assert widths.summarize(tmp_path) == 0
+    text = (tmp_path / "widths.md").read_text()
+    assert "different devices (width 512: GPU A, width 1,024: GPU B)" in text
 
 
 def test_a_summary_of_nothing_says_what_to_run(tmp_path, capsys):
