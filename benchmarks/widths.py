@@ -1,7 +1,9 @@
 """Cost against width: the arms benchmark at the seed model's widths, each arm's ratio to native beside its
 FLOP-proportional ideal, and the narrowest width where the seed's optimistic gate holds.
 
-    python3 benchmarks/widths.py run OUT [--updates 16]     (any CUDA machine; one process per width, resumable)
+    python3 benchmarks/widths.py run OUT [--updates 16] [--widths 512,1024]
+                                          (any CUDA machine; one process per width, resumable; about 5 minutes a
+                                           width at 512 on an H100, mostly compiling: --widths splits the run)
     python3 benchmarks/widths.py summarize OUT              (any machine: OUT/widths.md and OUT/widths.png)
 
 `run` calls benchmarks/arms.py once per width (presets `seed`, `seed-w1024`, `seed-w1536`, `seed-w2048`: depth 8,
@@ -59,8 +61,8 @@ def ideals(width: int) -> dict[str, float]:
             "dropbp": 1 - f}
 
 
-def run(out: Path, updates: int) -> int:
-    for width in WIDTHS:
+def run(out: Path, updates: int, widths: tuple[int, ...] = WIDTHS) -> int:
+    for width in widths:
         folder = out / f"w{width}"
         if (folder / "arms.json").exists():
             print(f"w{width}: done already", flush=True)
@@ -166,10 +168,22 @@ def main() -> int:
     r = sub.add_parser("run", help="the arms benchmark at every width, one process each, then the summary")
     r.add_argument("out", type=Path)
     r.add_argument("--updates", type=int, default=16)
+    r.add_argument("--widths", default=",".join(map(str, WIDTHS)),
+                   help=f"comma-separated widths among {', '.join(map(str, WIDTHS))} (default all)")
     s = sub.add_parser("summarize", help="the table and figure of what ran")
     s.add_argument("out", type=Path)
     args = ap.parse_args()
-    return run(args.out, args.updates) if args.what == "run" else summarize(args.out)
+    if args.what == "summarize":
+        return summarize(args.out)
+    try:
+        widths = tuple(int(w) for w in args.widths.split(","))
+    except ValueError:
+        widths = ()
+    if not widths or set(widths) - set(WIDTHS):
+        print(f"widths.py: --widths {args.widths!r}: give widths among {','.join(map(str, WIDTHS))}, "
+              "e.g. --widths 512,1024", file=sys.stderr)
+        return 2
+    return run(args.out, args.updates, widths)
 
 
 if __name__ == "__main__":

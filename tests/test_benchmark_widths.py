@@ -65,3 +65,12 @@ def test_widths_measured_on_different_devices_are_flagged(tmp_path):
 def test_a_summary_of_nothing_says_what_to_run(tmp_path, capsys):
     assert load("widths").summarize(tmp_path) == 2
     assert "benchmarks/widths.py run" in capsys.readouterr().err
+
+
+def test_widths_outside_the_presets_are_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    widths = load("widths")
+    monkeypatch.setattr("sys.argv", ["widths.py", "run", str(tmp_path / "out"), "--widths", "512,640"])
+    assert widths.main() == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--widths 512,1024" in err
+    assert not (tmp_path / "out").exists()
