@@ -2,13 +2,15 @@
 FLOP-proportional ideal, and the narrowest width where the seed's optimistic gate holds.
 
     python3 benchmarks/widths.py run OUT [--updates 16] [--widths 512,1024]
-                                          (any CUDA machine; one process per width, resumable; about 5 minutes a
-                                           width at 512 on an H100, mostly compiling: --widths splits the run)
+                                          (any CUDA machine; one process per width, resumable: --widths splits
+                                           the run; each arm compiles for about 30 s before its updates)
     python3 benchmarks/widths.py summarize OUT              (any machine: OUT/widths.md and OUT/widths.png)
 
 `run` calls benchmarks/arms.py once per width (presets `seed`, `seed-w1024`, `seed-w1536`, `seed-w2048`: depth 8,
 heads = width / 128, the same 524,288 tokens an update, micro-batches as config.seed_at_width says), into
-OUT/w<width>/, skipping a width whose arms.json is there already. `summarize` reads them.
+OUT/w<width>/, skipping a width whose arms.json is there already. `summarize` reads them. Six arms a width: native,
+zero, learned with one teacher in four (the cycle; its synthetic updates and its teachers are read apart, each
+against native's update of the same round), the rank-16 sketch with the subspace refresh, fp8 and dropbp.
 
 The ideal of an arm is what its update would cost if time were proportional to the nominal FLOPs of
 `creditlab flops` at that width, with f the omitted products' share of an update's FLOPs: zero and the learned
@@ -35,13 +37,15 @@ from creditlab.flops import flop_budget, sketch_cost  # noqa: E402
 WIDTHS = (512, *config_mod.SEED_WIDTHS)
 ARMS = {  # label: arm spec of benchmarks/arms.py
     "zero": "zero",
-    "learned (synthetic)": "learned@credit.schedule=never",
-    "teacher": "learned@credit.teacher_every=1",
     "cycle (one teacher in four)": "learned",
     "sketch16": "sketch@credit.sketch_rank=16@credit.sketch=subspace",
     "fp8": "fp8",
     "dropbp": "dropbp",
 }
+# Read from the cycle's own rounds, by the kind of update each ran (against native's update of the same round):
+# one arm compiled and resident where three would be (at width 2,048 eight arms side by side would not fit).
+KINDS = {"learned (synthetic)": "synthetic", "teacher": "teacher"}
+LABELS = ("zero", *KINDS, *(label for label in ARMS if label != "zero"))  # the table's rows, in order
 CYCLE_GATE = 0.93
 
 
@@ -91,6 +95,11 @@ def ratios(arms_json: dict) -> dict[str, dict]:
             continue
         if "cycle_s" in r:
             out[label] = {"ratio": r["cycle_s"] / native["median_last6_s"], "low": None, "high": None}
+            for kind_label, kind in KINDS.items():  # the rounds after the first two in which it ran this kind
+                pairs = [(row["seconds"], b) for row, b in zip(r["rows"][2:], base[2:]) if row["kind"] == kind]
+                got = round_ratio([a for a, _ in pairs], [b for _, b in pairs], skip=0)
+                if got is not None:
+                    out[kind_label] = {"ratio": got[0], "low": got[1], "high": got[2]}
             continue
         share = r.get("refresh_share_s") or 0.0
         got = round_ratio([row["seconds"] + share for row in r["rows"]], base)
@@ -116,7 +125,7 @@ def summarize(out: Path) -> int:
                   "among those of one device.**", ""]
     lines += ["Each cell: the arm's ratio to native per round (95% interval), then its FLOP-proportional ideal.", "",
              "| arm | " + " | ".join(f"width {w:,}" for w in found) + " |", "|---" * (len(found) + 1) + "|"]
-    for label in ARMS:
+    for label in LABELS:
         cells = []
         for w in found:
             r = table[w].get(label)
@@ -145,7 +154,7 @@ def figure(path: Path, table: dict, ideal: dict) -> None:
 
     widths = list(table)
     fig, ax = plt.subplots(figsize=(8, 5))
-    for i, label in enumerate(ARMS):
+    for i, label in enumerate(LABELS):
         xs = [w for w in widths if label in table[w]]
         if not xs:
             continue

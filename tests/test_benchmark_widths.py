@@ -22,11 +22,13 @@ def _rows(seconds):
 
 
 def _arms_json(native: float, zero_ratio: float, cycle_ratio: float, gpu: str = "TEST GPU") -> dict:
-    base = [native * (1 + 0.01 * (i % 3)) for i in range(12)]  # drift that hits every arm of a round alike
+    base = [native * (1 + 0.01 * (i % 3)) for i in range(16)]  # drift that hits every arm of a round alike
     return {"meta": {"env": {"gpu": gpu}},
             "results": [{"arm": "native", "rows": _rows(base), "median_last6_s": native},
                         {"arm": "zero", "rows": _rows([s * zero_ratio for s in base])},
-                        {"arm": "learned", "rows": _rows(base), "cycle_s": cycle_ratio * native},
+                        {"arm": "learned", "cycle_s": cycle_ratio * native,  # a teacher every fourth update
+                         "rows": [{"update": i, "kind": "teacher" if i % 4 == 0 else "synthetic",
+                                   "seconds": s * (1.2 if i % 4 == 0 else 0.9)} for i, s in enumerate(base)]},
                         {"arm": "sketch@credit.sketch_rank=16@credit.sketch=subspace", "rows": _rows(base),
                          "refresh_share_s": 0.1 * native}]}
 
@@ -42,6 +44,9 @@ def test_the_summary_reads_ratios_ideals_and_the_narrowest_width_that_passes(tmp
     zero = got["ratios"]["512"]["zero"]
     assert zero["ratio"] == pytest.approx(0.9) and zero["low"] <= 0.9 <= zero["high"]
     assert got["ratios"]["1024"]["cycle (one teacher in four)"]["ratio"] == pytest.approx(0.92)
+    # the learned update and the teacher read from the cycle's own rounds, each against native's of that round
+    assert got["ratios"]["512"]["learned (synthetic)"]["ratio"] == pytest.approx(0.9)
+    assert got["ratios"]["512"]["teacher"]["ratio"] == pytest.approx(1.2)
     # a refresh's share counts in the sketch's ratio, as compare counts it
     assert got["ratios"]["512"]["sketch16"]["ratio"] == pytest.approx(1.1, rel=0.02)
     f = flop_budget(config.load("seed-w2048").model).omitted_fraction
