@@ -78,6 +78,11 @@ class FlopBudget:
         return "\n".join(lines)
 
 
+def omitted_per_token(model: ModelConfig) -> int:
+    """The 16 omitted input products per target: each layer's Q/K/V (m = 3d) and MLP expansion (m = h), 2*m*d each."""
+    return model.layers * 2 * model.width * (3 * model.width + model.mlp_hidden)
+
+
 def flop_budget(model: ModelConfig, teacher_every: int = 4, cycle_gate: float = 0.93) -> FlopBudget:
     if teacher_every < 2:
         raise ValueError(f"teacher_every must be >= 2 for a teacher cycle, got {teacher_every}")
@@ -87,12 +92,11 @@ def flop_budget(model: ModelConfig, teacher_every: int = 4, cycle_gate: float = 
     attention = 6 * L * T * d
     return FlopBudget(layers=L, width=d, mlp_hidden=h, seq_len=T, vocab_size=V, teacher_every=teacher_every,
                       cycle_gate=cycle_gate, n_trunk=n_trunk, n_head=n_head, attention_per_token=attention,
-                      total_per_token=6 * (n_trunk + n_head) + attention,
-                      omitted_per_token=L * 2 * d * (3 * d + h))
+                      total_per_token=6 * (n_trunk + n_head) + attention, omitted_per_token=omitted_per_token(model))
 
 
-SKETCH_FORMS = ("svd", "subspace", "sampled")
-SUBSPACE_ITERATIONS = 2  # credit/sketch.py's SUBSPACE_ITERATIONS (a test pins them equal)
+SKETCH_FORMS = ("svd", "subspace", "sampled")  # credit.sketch's forms (credit/sketch.py)
+SUBSPACE_ITERATIONS = 2  # steps of warm-started subspace iteration per `subspace` refresh (credit/sketch.py)
 
 
 @dataclass(frozen=True)
@@ -182,7 +186,7 @@ def sketch_cost(model: ModelConfig, rank: int, form: str = "svd", every: int = 5
     else:
         refresh = 0
     return SketchCost(layers=L, width=d, mlp_hidden=h, rank=k, per_token=L * 2 * k * ((3 * d + d) + (h + d)),
-                      per_micro_batch=L * 2 * d * k * (3 * d + h), omitted_per_token=L * 2 * d * (3 * d + h),
+                      per_micro_batch=L * 2 * d * k * (3 * d + h), omitted_per_token=omitted_per_token(model),
                       form=form, every=every, refresh=refresh, tokens_per_micro_batch=tokens_per_micro_batch,
                       tokens_per_update=tokens_per_update)
 
@@ -237,4 +241,4 @@ def dropbp_rate(model: ModelConfig) -> DropBPRate:
     """Each branch's backward FLOPs per target and the drop rate that saves the omitted products' FLOPs."""
     L, d, h, T = model.layers, model.width, model.mlp_hidden, model.seq_len
     return DropBPRate(layers=L, width=d, mlp_hidden=h, seq_len=T, attention_backward=4 * 4 * d * d + 4 * T * d,
-                      mlp_backward=4 * 2 * d * h, omitted_per_token=L * 2 * d * (3 * d + h))
+                      mlp_backward=4 * 2 * d * h, omitted_per_token=omitted_per_token(model))

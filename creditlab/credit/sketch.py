@@ -39,13 +39,12 @@ import torch.nn.functional as F
 
 from creditlab.config import Config
 from creditlab.credit.sources import CreditSource, stream_seed
+# credit.sketch's forms and the subspace refresh's steps (module docstring), defined beside their FLOPs
+from creditlab.flops import SKETCH_FORMS as FORMS, SUBSPACE_ITERATIONS
 from creditlab.model import ExactCredit, GPT
 from creditlab.ops.qk_norm import QKEpilogue
 from creditlab.ops.relu2 import ReLU2, expand_relu2_values
 
-FORMS = ("svd", "subspace", "sampled")
-# Steps of warm-started subspace iteration per refresh (`subspace`): see the module's docstring.
-SUBSPACE_ITERATIONS = 2
 # The randomized range finder of `subspace`'s first refresh: oversampling columns and power iterations (Halko et
 # al. 2011, sec. 4.2-4.3: p = 5..10 columns; one or two power iterations for a slowly decaying spectrum).
 RANGE_OVERSAMPLE, RANGE_POWER = 8, 2

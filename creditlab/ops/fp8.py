@@ -29,12 +29,11 @@ _MANTISSA = {E4M3: 3, E5M2: 2}
 _SMALLEST = {E4M3: 2.0 ** -9, E5M2: 2.0 ** -16}
 
 
-def quantize_eager(x: torch.Tensor, dtype: torch.dtype, scale_mul: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_eager(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, s) with s = max|x| / dtype's largest value (float32, on x's device: no host sync) and q = x / s in
-    dtype. An all-zero x (a zero-initialized weight) gets the smallest normal float32 as its scale. `scale_mul`
-    exists for the tests' wrong-scale variant; 1 everywhere else."""
+    dtype. An all-zero x (a zero-initialized weight) gets the smallest normal float32 as its scale."""
     amax = torch.linalg.vector_norm(x, float("inf")).float().clamp_min(torch.finfo(torch.float32).tiny)
-    scale = amax / torch.finfo(dtype).max * scale_mul
+    scale = amax / torch.finfo(dtype).max
     return (x.to(torch.promote_types(x.dtype, torch.float32)) / scale).to(dtype), scale
 
 
