@@ -120,7 +120,13 @@ def summarize(out: Path) -> int:
     table = {w: ratios(d) for w, d in found.items()}
     ideal = {w: ideals(w) for w in found}
     devices = sorted({d["meta"]["env"].get("gpu") or "?" for d in found.values()})
-    lines = [f"# Cost against width ({', '.join(devices)})", ""]
+    passing = [w for w in found if table[w].get("cycle (one teacher in four)", {}).get("ratio", 9) <= CYCLE_GATE]
+    cycle = ", ".join(f"{table[w]['cycle (one teacher in four)']['ratio']:.3f} at {w:,}" for w in found
+                      if "cycle (one teacher in four)" in table[w])
+    verdict = (f"The gate (one teacher in four, the cycle at most {CYCLE_GATE} of native's update) "
+               + (f"holds first at width {min(passing):,}" if passing else "holds at none of these widths")
+               + f": the cycle costs {cycle}.")
+    lines = [f"# Cost against width ({', '.join(devices)})", "", f"**{verdict}**", ""]
     if len(devices) > 1:  # a ratio is compared across widths only where one kind of card measured them all
         by = ", ".join(f"width {w:,}: {d['meta']['env'].get('gpu') or '?'}" for w, d in found.items())
         lines += [f"**The widths were measured on different devices ({by}): compare a ratio across widths only "
@@ -137,9 +143,6 @@ def summarize(out: Path) -> int:
             interval = f" [{r['low']:.3f}, {r['high']:.3f}]" if r["low"] is not None else ""
             cells.append(f"{r['ratio']:.3f}{interval}; ideal {ideal[w][label]:.3f}")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    passing = [w for w in found if table[w].get("cycle (one teacher in four)", {}).get("ratio", 9) <= CYCLE_GATE]
-    lines += ["", f"The gate (one teacher in four, cycle <= {CYCLE_GATE}): " +
-              (f"holds first at width {min(passing):,}." if passing else "holds at none of these widths.")]
     (out / "widths.md").write_text("\n".join(lines) + "\n")
     (out / "widths.json").write_text(json.dumps({"ratios": table, "ideals": ideal, "devices": devices,
                                                  "gate_first_width": min(passing) if passing else None}, indent=2))
