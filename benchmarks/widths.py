@@ -133,6 +133,11 @@ def summarize(out: Path) -> int:
                   "among those of one device.**", ""]
     lines += ["Each cell: the arm's ratio to native per round (95% interval), then its FLOP-proportional ideal.", "",
              "| arm | " + " | ".join(f"width {w:,}" for w in found) + " |", "|---" * (len(found) + 1) + "|"]
+    shape = {w: config_mod.load(preset(w)).train for w in found}
+    lines.append("| micro-batch x accumulation (windows of 2,048) | "
+                 + " | ".join(f"{shape[w].micro_batch} x {shape[w].grad_accum}" for w in found) + " |")
+    lines.append("| native, s an update (last-six median) | " + " | ".join(
+        f"{next(r['median_last6_s'] for r in found[w]['results'] if r['arm'] == 'native'):.3f}" for w in found) + " |")
     for label in LABELS:
         cells = []
         for w in found:
