@@ -38,8 +38,8 @@ from creditlab import config as config_mod  # noqa: E402
 from creditlab.experiments.arms import parse_arm, parse_arms  # noqa: E402
 from creditlab import runtime as rt  # noqa: E402
 # rotation is re-exported: the order of a round is the runner's, one rule for the screen and this benchmark
-from creditlab.experiments.arms_runner import (OwnMemory, cuda_allocated, keep_compiled_side_by_side, rotation,  # noqa: E402,F401
-                                   run_rounds)
+from creditlab.experiments.arms_runner import (OwnMemory, cuda_allocated, graphs_compiled, keep_compiled_side_by_side,  # noqa: E402,F401
+                                   rotation, run_rounds, steady_rounds)
 from creditlab.experiments.arms_runner import round_ratio as runner_round_ratio  # noqa: E402
 from creditlab.data import SyntheticLoader  # noqa: E402
 from creditlab.train import Trainer, build_model, row_dict  # noqa: E402
@@ -504,16 +504,18 @@ def run_update(arm: dict, own: OwnMemory, collector: CollectorTime) -> None:
     Python's collector took during it."""
     collector.take()
     trainer = arm["trainer"]
+    graphs = graphs_compiled()
     start = time.perf_counter()
     arm["rows"].append(own.update(arm["name"], trainer.train_update))
     arm["wall_s"] += time.perf_counter() - start
     arm.setdefault("gc_s", []).append(collector.take())
+    arm.setdefault("graphs_compiled", []).append(graphs_compiled() - graphs)
 
 
 def summarize_arm(arm: dict) -> dict:
     rows = arm["rows"]
     out = {"arm": arm["name"], "overrides": arm["overrides"], "init_sha256": arm["init_sha256"],
-           "rows": [row_dict(r) for r in rows], "wall_s": arm["wall_s"], "first_update_s": rows[0].seconds,
+           "rows": [row_dict(r) | {"graphs_compiled": g} for r, g in zip(rows, arm["graphs_compiled"])], "wall_s": arm["wall_s"], "first_update_s": rows[0].seconds,
            "saved_by_forward_mib": arm["saved_by_forward_mib"]}
     window = rows[-6:]
     out["median_last6_s"] = statistics.median(r.seconds for r in window)
@@ -600,9 +602,11 @@ def paired_ms(rows: list[dict], base_rows: list[dict], window: int = 6) -> tuple
 
 
 def round_ratio(rows: list[dict], base_rows: list[dict]) -> tuple[float, float, float, int] | None:
-    """The arms runner's ratio per round (median over every round from the third, with its 95% interval) of two
-    arms' rows."""
-    return runner_round_ratio([r["seconds"] for r in rows], [r["seconds"] for r in base_rows])
+    """The arms runner's ratio per round (median over the rounds from the third in which neither arm compiled,
+    with its 95% interval) of two arms' rows."""
+    if len(rows) != len(base_rows):
+        return None
+    return runner_round_ratio(*steady_rounds(rows, base_rows), skip=0)
 
 
 def _with_refresh(r: dict) -> list[dict]:
@@ -621,8 +625,8 @@ def markdown(results: list[dict], meta: dict) -> str:
              f"{SCHEDULES[meta['schedule']]}",
              "", "| arm | s/update | ratio vs " + results[0]["arm"] + " | tokens/s | MFU | peak alloc MiB | "
              "peak reserved MiB | first update s | last loss |" + (" paired ms vs " + results[0]["arm"] +
-                                                                 " (median, range) | ratio per round, rounds 3 on "
-                                                                 "(median, 95% interval) |" if paired else ""),
+                                                                 " (median, range) | ratio per round, rounds 3 on, "
+                                                                 "none compiling (median, 95% interval), rounds |" if paired else ""),
              "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if paired else "")]
     notes = []
     for r in results:
@@ -649,14 +653,15 @@ def markdown(results: list[dict], meta: dict) -> str:
             diff = None if "cycle_s" in r or r is results[0] else paired_ms(rows, results[0]["rows"])
             line += " - |" if diff is None else f" {diff[0]:+.1f} ({diff[1]:+.1f} .. {diff[2]:+.1f}) |"
             ratio = None if "cycle_s" in r or r is results[0] else round_ratio(rows, results[0]["rows"])
-            line += " - |" if ratio is None else f" {ratio[0]:.4f} ({ratio[1]:.4f} .. {ratio[2]:.4f}) |"
+            line += " - |" if ratio is None else f" {ratio[0]:.4f} ({ratio[1]:.4f} .. {ratio[2]:.4f}), {ratio[3]} |"
         lines.append(line)
     if paired:
         notes.append("paired ms: per round, the arm's update time minus the first arm's in the same round, over the "
                      "last six rounds (a cycle mixes kinds of update and has none).")
         notes.append("ratio per round: the arm's update time over the first arm's in the same round, its median over "
-                     "every round from the third (the first two compile and warm), with a 95% bootstrap interval of "
-                     "that median.")
+                     "every round from the third (the first two compile and warm) in which neither arm compiled a graph "
+                     "(dropbp's drop patterns meet new variants for many updates), with a 95% bootstrap interval of "
+                     "that median and the rounds it read.")
     check = meta.get("accounted")
     if check:
         notes.append(f"accounted: rounds {check['from_round']}-{check['rounds']} took {check['wall_s']:.3f} s of wall "

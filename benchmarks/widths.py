@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from creditlab import config as config_mod  # noqa: E402
-from creditlab.experiments.arms_runner import round_ratio  # noqa: E402
+from creditlab.experiments.arms_runner import round_ratio, steady_rounds  # noqa: E402
 from creditlab.flops import flop_budget, sketch_cost  # noqa: E402
 
 WIDTHS = (512, *config_mod.SEED_WIDTHS)
@@ -85,11 +85,11 @@ def run(out: Path, updates: int, widths: tuple[int, ...] = WIDTHS) -> int:
 
 
 def ratios(arms_json: dict) -> dict[str, dict]:
-    """Per arm label: the ratio to native (the per-round median with its 95% interval where the arm runs one kind
-    of update, its refresh counted; the cycle's mean time over native's median for the cycle)."""
+    """Per arm label: the ratio to native (where the arm runs one kind of update, the per-round median with its
+    95% interval over the rounds from the third in which neither it nor native compiled, its refresh counted; the
+    cycle's mean time over native's median for the cycle)."""
     by_spec = {r["arm"]: r for r in arms_json["results"]}
     native = by_spec["native"]
-    base = [row["seconds"] for row in native["rows"]]
     out = {}
     for label, spec in ARMS.items():
         r = by_spec.get(spec)
@@ -97,16 +97,17 @@ def ratios(arms_json: dict) -> dict[str, dict]:
             continue
         if "cycle_s" in r:
             out[label] = {"ratio": r["cycle_s"] / native["median_last6_s"], "low": None, "high": None}
-            for kind_label, kind in KINDS.items():  # the rounds after the first two in which it ran this kind
-                pairs = [(row["seconds"], b) for row, b in zip(r["rows"][2:], base[2:]) if row["kind"] == kind]
-                got = round_ratio([a for a, _ in pairs], [b for _, b in pairs], skip=0)
+            for kind_label, kind in KINDS.items():  # the steady rounds in which it ran this kind
+                got = round_ratio(*steady_rounds(r["rows"], native["rows"], where=lambda row: row["kind"] == kind),
+                                  skip=0)
                 if got is not None:
-                    out[kind_label] = {"ratio": got[0], "low": got[1], "high": got[2]}
+                    out[kind_label] = {"ratio": got[0], "low": got[1], "high": got[2], "rounds": got[3]}
             continue
         share = r.get("refresh_share_s") or 0.0
-        got = round_ratio([row["seconds"] + share for row in r["rows"]], base)
+        got = round_ratio(*steady_rounds([row | {"seconds": row["seconds"] + share} for row in r["rows"]],
+                                         native["rows"]), skip=0)
         if got is not None:
-            out[label] = {"ratio": got[0], "low": got[1], "high": got[2]}
+            out[label] = {"ratio": got[0], "low": got[1], "high": got[2], "rounds": got[3]}
     return out
 
 
@@ -123,9 +124,15 @@ def summarize(out: Path) -> int:
     passing = [w for w in found if table[w].get("cycle (one teacher in four)", {}).get("ratio", 9) <= CYCLE_GATE]
     cycle = ", ".join(f"{table[w]['cycle (one teacher in four)']['ratio']:.3f} at {w:,}" for w in found
                       if "cycle (one teacher in four)" in table[w])
+    # the narrowest passing width is known only where every narrower width was measured too
+    unmeasured = [w for w in WIDTHS if w not in found and (not passing or w < min(passing))]
+    first = min(passing) if passing and not unmeasured else None
     verdict = (f"The gate (one teacher in four, the cycle at most {CYCLE_GATE} of native's update) "
-               + (f"holds first at width {min(passing):,}" if passing else "holds at none of these widths")
-               + f": the cycle costs {cycle}.")
+               + (f"holds first at width {first:,}" if first else
+                  f"holds at width {min(passing):,}" if passing else "holds at none of the widths measured")
+               + f": the cycle costs {cycle}"
+               + (f" (not yet measured: width {', '.join(f'{w:,}' for w in unmeasured)})" if unmeasured else "")
+               + ".")
     lines = [f"# Cost against width ({', '.join(devices)})", "", f"**{verdict}**", ""]
     if len(devices) > 1:  # a ratio is compared across widths only where one kind of card measured them all
         by = ", ".join(f"width {w:,}: {d['meta']['env'].get('gpu') or '?'}" for w, d in found.items())
@@ -150,7 +157,7 @@ def summarize(out: Path) -> int:
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     (out / "widths.md").write_text("\n".join(lines) + "\n")
     (out / "widths.json").write_text(json.dumps({"ratios": table, "ideals": ideal, "devices": devices,
-                                                 "gate_first_width": min(passing) if passing else None}, indent=2))
+                                                 "gate_first_width": first, "unmeasured": unmeasured}, indent=2))
     figure(out / "widths.png", table, ideal)
     print("\n".join(lines))
     return 0

@@ -57,6 +57,34 @@ def test_the_summary_reads_ratios_ideals_and_the_narrowest_width_that_passes(tmp
     assert "different devices" not in (tmp_path / "widths.md").read_text()
 
 
+def test_rounds_in_which_an_arm_compiled_are_left_out_of_its_ratio(tmp_path):
+    """dropbp compiles a block variant on many of its first updates (its drop pattern meets a new one): those
+    rounds time the compiler, and the ratio reads the others."""
+    widths = load("widths")
+    data = _arms_json(0.3, 0.9, 0.95)
+    compiling = {1, 2, 3, 5, 6, 9, 12}
+    data["results"].append({"arm": "dropbp", "rows": [
+        {"update": i, "kind": "synthetic", "seconds": 0.3 * (5.0 if i in compiling else 0.85),
+         "graphs_compiled": 2 if i in compiling else 0} for i in range(16)]})
+    (tmp_path / "w512").mkdir()
+    (tmp_path / "w512" / "arms.json").write_text(json.dumps(data))
+    assert widths.summarize(tmp_path) == 0
+    got = json.loads((tmp_path / "widths.json").read_text())["ratios"]["512"]["dropbp"]
+    assert got["ratio"] == pytest.approx(0.85, rel=0.03) and got["rounds"] == 14 - 6  # rounds 3-16, six compiled
+
+
+def test_a_passing_width_is_not_called_the_narrowest_while_narrower_ones_are_unmeasured(tmp_path):
+    widths = load("widths")
+    (tmp_path / "w1536").mkdir()
+    (tmp_path / "w1536" / "arms.json").write_text(json.dumps(_arms_json(0.3, 0.9, 0.92)))
+    assert widths.summarize(tmp_path) == 0
+    got = json.loads((tmp_path / "widths.json").read_text())
+    assert got["gate_first_width"] is None and got["unmeasured"] == [512, 1024]
+    text = (tmp_path / "widths.md").read_text()
+    assert "holds at width 1,536" in text and "not yet measured: width 512, 1,024" in text
+    assert "holds first" not in text
+
+
 def test_widths_measured_on_different_devices_are_flagged(tmp_path):
     widths = load("widths")
     for width, gpu in ((512, "GPU A"), (1024, "GPU B")):

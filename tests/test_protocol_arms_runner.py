@@ -103,3 +103,34 @@ def test_the_round_difference_is_taken_round_by_round_in_ms():
     median, lo, hi, n = runner.round_difference_ms(faster, base)
     assert n == 16 and median == lo == hi == pytest.approx(-3.0)
     assert runner.round_difference_ms(faster[:-1], base) is None
+
+
+def test_an_update_that_meets_a_new_variant_counts_its_compiled_graph_and_leaves_the_steady_rounds():
+    """A compiled function specialized on a Python flag (as a block is on dropbp's drop pattern): the counter
+    moves on the update that meets a flag value for the first time and stays on one that repeats a value; such an
+    update's round is left out of the steady rounds, and with it out, the ratio reads the step, not the compiler."""
+    import torch
+
+    step = torch.compile(lambda x, drop: x.detach() * 2 if drop else x * 2, backend="eager")
+    x = torch.randn(4)
+    compiled = []
+    for drop in (False, False, True, True, False):
+        before = runner.graphs_compiled()
+        step(x, drop)
+        compiled.append(runner.graphs_compiled() - before)
+    assert compiled == [1, 0, 1, 0, 0]
+
+    native = [{"seconds": 1.0, "graphs_compiled": 0} for _ in range(8)]
+    dropping = [{"seconds": 0.85, "graphs_compiled": 0} for _ in range(8)]
+    for r in (2, 3, 5):  # rounds that compiled a new variant, taking seconds of compiler time
+        dropping[r] = {"seconds": 3.0, "graphs_compiled": 2}
+    kept = runner.steady_rounds(dropping, native)
+    assert kept == ([0.85] * 3, [1.0] * 3)  # rounds 4, 6, 7
+    assert runner.round_ratio(*kept, skip=0)[0] == 0.85
+    # counted in, the three compiling rounds of six would put the median above native's time, at 1.925
+    assert runner.round_ratio([r["seconds"] for r in dropping], [r["seconds"] for r in native])[0] > 1.9
+    # rows recorded before the count existed are all steady; `where` keeps one kind of update
+    plain = [{"seconds": s, "kind": k} for s, k in ((1, "teacher"), (1, "teacher"), (0.9, "synthetic"),
+                                                     (1.2, "teacher"), (0.9, "synthetic"))]
+    assert runner.steady_rounds(plain, [{"seconds": 1.0}] * 5, where=lambda r: r["kind"] == "synthetic") == \
+        ([0.9, 0.9], [1.0, 1.0])

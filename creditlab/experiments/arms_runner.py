@@ -118,6 +118,25 @@ class OwnMemory:
         return row
 
 
+def graphs_compiled() -> int:
+    """How many graphs the compiler has built in this process so far: taken before and after an update, the
+    difference says whether that update compiled (a first update, or a source whose Python choices meet a variant
+    not yet compiled, as dropbp's drop patterns do for many updates)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def steady_rounds(rows: Sequence[dict], base_rows: Sequence[dict], skip: int = 2,
+                  where: Callable[[dict], bool] = lambda row: True) -> tuple[list[float], list[float]]:
+    """The seconds of two arms' rounds after the first `skip` in which neither compiled a graph (a row's
+    `graphs_compiled`, where recorded: a compiling update times the compiler, not the step) and the first arm's
+    row is `where` (e.g. of one kind of update)."""
+    pairs = [(a["seconds"], b["seconds"]) for a, b in zip(rows[skip:], base_rows[skip:])
+             if where(a) and not a.get("graphs_compiled") and not b.get("graphs_compiled")]
+    return [a for a, _ in pairs], [b for _, b in pairs]
+
+
 def round_ratio(seconds: Sequence[float], base_seconds: Sequence[float], skip: int = 2, resamples: int = 2000,
                 seed: int = 0) -> tuple[float, float, float, int] | None:
     """(median, low, high, rounds): the median over rounds after the first `skip` of an arm's per-round ratio
