@@ -493,3 +493,33 @@ def test_the_gradient_layout_experiment_lays_the_same_values_out_each_way():
     want = [torch.ones(3)] * 4
     got = [torch.full((3,), 9.0), torch.ones(3), torch.full((3,), 1.5), torch.ones(3)]
     assert layouts.gradient_error(got, want) == pytest.approx(0.5)
+
+
+def test_each_timed_update_records_the_graphs_it_compiled():
+    """run_update's rows say how many graphs the compiler built during each update (on the GPU, a block variant
+    dropbp meets for the first time), and the per-round ratio leaves those rounds out."""
+    from types import SimpleNamespace
+
+    from creditlab.experiments.arms_runner import OwnMemory
+    from creditlab.train import UpdateRow
+
+    arms = load("arms")
+    step = torch.compile(lambda x, drop: x.detach() + 1 if drop else x + 1, backend="eager")
+    drops = [False, False, True, False, True, False]
+
+    def train_update():
+        update = len(arm["rows"])
+        step(torch.ones(2), drops[update])
+        return UpdateRow(update, "synthetic", 1.0, 3.0 if update in (0, 2) else 0.9, 10, 10.0, 1.0, 100.0, None, None)
+
+    trainer = SimpleNamespace(train_update=train_update, source=SimpleNamespace())
+    arm = {"name": "dropbp", "overrides": [], "init_sha256": "", "trainer": trainer, "rows": [],
+           "saved_by_forward_mib": 0.0, "wall_s": 0.0}
+    for _ in drops:
+        arms.run_update(arm, OwnMemory(None), arms.CollectorTime())
+    got = arms.summarize_arm(arm)
+    assert [r["graphs_compiled"] for r in got["rows"]] == [1, 0, 1, 0, 0, 0]
+    base = [{"seconds": 1.0, "graphs_compiled": 0} for _ in drops]
+    got["rows"][2]["graphs_compiled"] = 1  # the round read from the third on: round 3 compiled, rounds 4-6 did not
+    ratio = arms.round_ratio(got["rows"], base)
+    assert ratio[0] == pytest.approx(0.9) and ratio[3] == 3
