@@ -39,7 +39,7 @@ from creditlab.experiments.arms import parse_arm, parse_arms  # noqa: E402
 from creditlab import runtime as rt  # noqa: E402
 # rotation is re-exported: the order of a round is the runner's, one rule for the screen and this benchmark
 from creditlab.experiments.arms_runner import (OwnMemory, cuda_allocated, graphs_compiled, keep_compiled_side_by_side,  # noqa: E402,F401
-                                   rotation, run_rounds, steady_rounds)
+                                   rotation, run_rounds, steady_rounds, warm_variants)
 from creditlab.experiments.arms_runner import round_ratio as runner_round_ratio  # noqa: E402
 from creditlab.data import SyntheticLoader  # noqa: E402
 from creditlab.train import Trainer, build_model, row_dict  # noqa: E402
@@ -473,6 +473,7 @@ def build_arm(name: str, base: config_mod.Config, init_state: dict) -> dict:
         loss.backward()
         trainer.optimizers.zero_grad()
         del loss
+    warm_variants(trainer)  # dropbp's block variants, so that its timed updates time its step, not the compiler
     trainer.loader.load_state_dict({**trainer.loader.state_dict(), "position": 0})
     gc.collect()
     torch.cuda.synchronize()

@@ -232,3 +232,32 @@ def test_two_processes_train_with_dropped_branches(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1])["updates"] == 3
+
+
+def test_after_the_warming_contexts_a_compiled_run_compiles_no_block_variant(monkeypatch):
+    """arms_runner.warm_variants runs the source's four warming contexts (each block's attention and MLP each kept
+    or dropped): afterwards the synthetic updates, whose drawn patterns meet new variants for many updates without
+    it, compile nothing, so a short timed run times the step."""
+    from creditlab.experiments.arms_runner import graphs_compiled, warm_variants
+    from creditlab.train import Trainer
+
+    compiled = {}
+    for warm in (False, True):
+        torch._dynamo.reset()
+        cfg = config.load("tiny", [*TINY, "train.updates=6", "train.warmup=0", "credit.schedule=never",
+                                   "train.compile=on"])
+        with monkeypatch.context() as patch:
+            patch.setattr(rt.torch, "compile", functools.partial(torch.compile, backend="eager"))
+            trainer = Trainer(cfg, loader=SyntheticLoader(97, cfg.train.micro_batch, cfg.model.seq_len, seed=0))
+            if warm:
+                assert warm_variants(trainer) == 4
+            trainer.train_update()  # the optimizer's first step and the like
+            compiled[warm] = []
+            for _ in range(5):
+                before = graphs_compiled()
+                row = trainer.train_update()
+                assert row.kind == "synthetic"
+                compiled[warm].append(graphs_compiled() - before)
+    torch._dynamo.reset()
+    assert compiled[True] == [0] * 5
+    assert sum(compiled[False]) > 0, compiled  # without the warming, later updates meet variants not yet compiled

@@ -72,6 +72,13 @@ class DropBPSource(CreditSource):
             return self.exact_step()
         return self.dropping(self.pattern(trainer.update_index))
 
+    def warming_contexts(self) -> list[DropCredit]:
+        """Contexts that between them meet every variant of every block (its attention and its MLP each kept or
+        dropped: the same choice in every block), for a timed benchmark to compile before it times: drawn
+        patterns meet new variants for dozens of updates, and an update that compiles times the compiler."""
+        return [DropCredit([attn if b % 2 == 0 else mlp for b in range(self.branches)])
+                for attn in (False, True) for mlp in (False, True)]
+
     def step(self) -> DropCredit:
         """A synthetic context outside a training run (the checks): the pattern of update 0."""
         return self.dropping(self.pattern(0))

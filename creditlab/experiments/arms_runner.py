@@ -127,6 +127,21 @@ def graphs_compiled() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def warm_variants(trainer) -> int:
+    """Compile, untimed, the graph variants a source's Python choices can take, as the source lists them
+    (`warming_contexts`: dropbp's), one micro-batch's forward and backward each, gradients zeroed after; the
+    loader moves on (a caller that wants its data rewinds it). Returns how many contexts it ran."""
+    contexts = getattr(trainer.source, "warming_contexts", None)
+    if contexts is None:
+        return 0
+    warmed = contexts()
+    for credit in warmed:
+        inputs, targets = trainer._batch()
+        trainer.forward_backward(inputs, targets, credit, 1.0)
+    trainer.optimizers.zero_grad()
+    return len(warmed)
+
+
 def steady_rounds(rows: Sequence[dict], base_rows: Sequence[dict], skip: int = 2,
                   where: Callable[[dict], bool] = lambda row: True) -> tuple[list[float], list[float]]:
     """The seconds of two arms' rounds after the first `skip` in which neither compiled a graph (a row's
