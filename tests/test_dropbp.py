@@ -234,6 +234,7 @@ def test_two_processes_train_with_dropped_branches(tmp_path):
     assert json.loads(done.stdout.strip().splitlines()[-1])["updates"] == 3
 
 
+@pytest.mark.slow  # about 11 s: two compiled runs
 def test_after_the_warming_contexts_a_compiled_run_compiles_no_block_variant(monkeypatch):
     """arms_runner.warm_variants runs the source's four warming contexts (each block's attention and MLP each kept
     or dropped): afterwards the synthetic updates, whose drawn patterns meet new variants for many updates without
