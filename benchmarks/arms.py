@@ -39,8 +39,7 @@ from creditlab.experiments.arms import parse_arm, parse_arms  # noqa: E402
 from creditlab import runtime as rt  # noqa: E402
 # rotation is re-exported: the order of a round is the runner's, one rule for the screen and this benchmark
 from creditlab.experiments.arms_runner import (OwnMemory, cuda_allocated, graphs_compiled, keep_compiled_side_by_side,  # noqa: E402,F401
-                                   rotation, run_rounds, steady_rounds, warm_variants)
-from creditlab.experiments.arms_runner import round_ratio as runner_round_ratio  # noqa: E402
+                                   rotation, run_rounds, steady_ratio, warm_variants)
 from creditlab.data import SyntheticLoader  # noqa: E402
 from creditlab.train import Trainer, build_model, row_dict  # noqa: E402
 
@@ -516,7 +515,8 @@ def run_update(arm: dict, own: OwnMemory, collector: CollectorTime) -> None:
 def summarize_arm(arm: dict) -> dict:
     rows = arm["rows"]
     out = {"arm": arm["name"], "overrides": arm["overrides"], "init_sha256": arm["init_sha256"],
-           "rows": [row_dict(r) | {"graphs_compiled": g} for r, g in zip(rows, arm["graphs_compiled"])], "wall_s": arm["wall_s"], "first_update_s": rows[0].seconds,
+           "rows": [row_dict(r) | {"graphs_compiled": g} for r, g in zip(rows, arm["graphs_compiled"])],
+           "wall_s": arm["wall_s"], "first_update_s": rows[0].seconds,
            "saved_by_forward_mib": arm["saved_by_forward_mib"]}
     window = rows[-6:]
     out["median_last6_s"] = statistics.median(r.seconds for r in window)
@@ -602,14 +602,6 @@ def paired_ms(rows: list[dict], base_rows: list[dict], window: int = 6) -> tuple
     return statistics.median(diffs), min(diffs), max(diffs)
 
 
-def round_ratio(rows: list[dict], base_rows: list[dict]) -> tuple[float, float, float, int] | None:
-    """The arms runner's ratio per round (median over the rounds from the third in which neither arm compiled,
-    with its 95% interval) of two arms' rows."""
-    if len(rows) != len(base_rows):
-        return None
-    return runner_round_ratio(*steady_rounds(rows, base_rows), skip=0)
-
-
 def _with_refresh(r: dict) -> list[dict]:
     """An arm's rows with its refresh's share added to every update (as compare counts it), for the per-round
     columns; the rows themselves as they are for every other arm."""
@@ -653,7 +645,7 @@ def markdown(results: list[dict], meta: dict) -> str:
             rows = _with_refresh(r)
             diff = None if "cycle_s" in r or r is results[0] else paired_ms(rows, results[0]["rows"])
             line += " - |" if diff is None else f" {diff[0]:+.1f} ({diff[1]:+.1f} .. {diff[2]:+.1f}) |"
-            ratio = None if "cycle_s" in r or r is results[0] else round_ratio(rows, results[0]["rows"])
+            ratio = None if "cycle_s" in r or r is results[0] else steady_ratio(rows, results[0]["rows"])
             line += " - |" if ratio is None else f" {ratio[0]:.4f} ({ratio[1]:.4f} .. {ratio[2]:.4f}), {ratio[3]} |"
         lines.append(line)
     if paired:

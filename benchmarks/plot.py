@@ -21,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from creditlab.experiments.arms_runner import round_ratio  # noqa: E402
+from creditlab.experiments.arms_runner import steady_ratio  # noqa: E402
 from stored import is_stored, read_stored  # noqa: E402
 
 
@@ -61,8 +61,7 @@ def plot_arms(arms_json: Path, out: Path, name: str, note: str) -> Path:
         ax1.axvline(0.93, color="#937860", ls="-.", label="cycle gate 0.93")
     # Where the rounds pair the arms' updates (interleaved): each arm's ratio per round, with its interval.
     interleaved = data["meta"].get("schedule", "interleaved") == "interleaved"
-    seconds = [[row["seconds"] for row in r["rows"]] for r in results]
-    per_round = [None if y == 0 or "cycle_s" in r or not interleaved else round_ratio(seconds[y], seconds[0])
+    per_round = [None if y == 0 or "cycle_s" in r or not interleaved else steady_ratio(r["rows"], results[0]["rows"])
                  for y, r in enumerate(results)]
     marked = False
     for y, ratio in enumerate(per_round):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from creditlab.experiments.arms_runner import round_difference_ms, round_ratio  # noqa: E402
+from creditlab.experiments.arms_runner import round_difference_ms, steady_ratio  # noqa: E402
 
 PEAK_GATE_MIB = 23_400.0  # the resource screen's peak gate (config.ScreenConfig.peak_gate_mib)
 
@@ -87,7 +87,7 @@ def evaluate(results: list[dict]) -> list[dict]:
             rows.append(_row(TARGETS[arm]))
             continue
         last_six = by_arm[arm]["median_last6_s"] / native["median_last6_s"]
-        per_round = round_ratio(_seconds(by_arm[arm]), _seconds(native))
+        per_round = steady_ratio(by_arm[arm]["rows"], native["rows"])
         rows.append(_row(TARGETS[arm], last_six, f"{last_six:.4f}", per_round and per_round[0],
                          _interval(per_round, 4) if per_round else "-"))
 

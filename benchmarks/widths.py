@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from creditlab import config as config_mod  # noqa: E402
-from creditlab.experiments.arms_runner import round_ratio, steady_rounds  # noqa: E402
+from creditlab.experiments.arms_runner import steady_ratio  # noqa: E402
 from creditlab.flops import flop_budget, sketch_cost  # noqa: E402
 
 WIDTHS = (512, *config_mod.SEED_WIDTHS)
@@ -98,14 +98,12 @@ def ratios(arms_json: dict) -> dict[str, dict]:
         if "cycle_s" in r:
             out[label] = {"ratio": r["cycle_s"] / native["median_last6_s"], "low": None, "high": None}
             for kind_label, kind in KINDS.items():  # the steady rounds in which it ran this kind
-                got = round_ratio(*steady_rounds(r["rows"], native["rows"], where=lambda row: row["kind"] == kind),
-                                  skip=0)
+                got = steady_ratio(r["rows"], native["rows"], where=lambda row: row["kind"] == kind)
                 if got is not None:
                     out[kind_label] = {"ratio": got[0], "low": got[1], "high": got[2], "rounds": got[3]}
             continue
         share = r.get("refresh_share_s") or 0.0
-        got = round_ratio(*steady_rounds([row | {"seconds": row["seconds"] + share} for row in r["rows"]],
-                                         native["rows"]), skip=0)
+        got = steady_ratio([row | {"seconds": row["seconds"] + share} for row in r["rows"]], native["rows"])
         if got is not None:
             out[label] = {"ratio": got[0], "low": got[1], "high": got[2], "rounds": got[3]}
     return out

@@ -286,7 +286,7 @@ def test_the_tables_ratio_per_round_is_the_runners_of_the_rows_seconds():
 
     base = [{"seconds": s} for s in [9.0, 9.0] + [0.30, 0.34] * 4]
     arm = [{"seconds": b["seconds"] * (0.90 if i % 2 else 0.96)} for i, b in enumerate(base)]
-    assert arms.round_ratio(arm, base) == round_ratio([r["seconds"] for r in arm], [r["seconds"] for r in base])
+    assert arms.steady_ratio(arm, base) == round_ratio([r["seconds"] for r in arm], [r["seconds"] for r in base])
 
 def test_the_benchmarks_error_is_relative_to_the_references_largest_entry():
     import torch
@@ -521,5 +521,5 @@ def test_each_timed_update_records_the_graphs_it_compiled():
     assert [r["graphs_compiled"] for r in got["rows"]] == [1, 0, 1, 0, 0, 0]
     base = [{"seconds": 1.0, "graphs_compiled": 0} for _ in drops]
     got["rows"][2]["graphs_compiled"] = 1  # the round read from the third on: round 3 compiled, rounds 4-6 did not
-    ratio = arms.round_ratio(got["rows"], base)
+    ratio = arms.steady_ratio(got["rows"], base)
     assert ratio[0] == pytest.approx(0.9) and ratio[3] == 3

@@ -152,6 +152,15 @@ def steady_rounds(rows: Sequence[dict], base_rows: Sequence[dict], skip: int = 2
     return [a for a, _ in pairs], [b for _, b in pairs]
 
 
+def steady_ratio(rows: Sequence[dict], base_rows: Sequence[dict],
+                 where: Callable[[dict], bool] = lambda row: True) -> tuple[float, float, float, int] | None:
+    """round_ratio of two arms' rows over their steady rounds (steady_rounds: from the third, neither compiling,
+    the first arm's row `where`). None if the arms ran different rounds or fewer than three steady rounds remain."""
+    if len(rows) != len(base_rows):
+        return None
+    return round_ratio(*steady_rounds(rows, base_rows, where=where), skip=0)
+
+
 def round_ratio(seconds: Sequence[float], base_seconds: Sequence[float], skip: int = 2, resamples: int = 2000,
                 seed: int = 0) -> tuple[float, float, float, int] | None:
     """(median, low, high, rounds): the median over rounds after the first `skip` of an arm's per-round ratio
