@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import pathlib
 
 import pytest
 import torch
@@ -556,3 +557,21 @@ def test_wandb_logs_every_row_and_evaluation_when_asked(tmp_path, monkeypatch, c
     assert cli.main(["compare", "--preset", "tiny", "--arms", "native", "--out", str(tmp_path / "d"),
                      "--wandb", "proj"]) == 2
     assert "pip install wandb" in capsys.readouterr().err and not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("path", sorted((pathlib.Path(__file__).parent.parent / "experiments").glob("*.toml")),
+                         ids=lambda p: p.name)
+def test_every_committed_experiment_file_resolves_to_valid_arms(path):
+    """A study file that fails only on the GPU machine costs a call: each one loads, and every arm it runs (with
+    the floors and native budgets the comparison adds) is a valid config at its preset."""
+    from creditlab.experiments import experiment
+    from creditlab.experiments.arms import arm_config, resolve_arms
+
+    exp = experiment.load(path)
+    exp.check()
+    base = config.load(exp.preset, exp.overrides)
+    specs, roles = resolve_arms(parse_arms(",".join(exp.arms)), exp.preset, exp.overrides, base.compare.floors,
+                                config.parse_budgets(base.compare.native_budgets))
+    assert len(specs) >= len(exp.arms)
+    for spec in specs:
+        config.validate(arm_config(exp.preset, exp.overrides, spec, exp.seeds[0]))
