@@ -96,17 +96,39 @@ def ratios(arms_json: dict) -> dict[str, dict]:
         if r is None:
             continue
         if "cycle_s" in r:
-            out[label] = {"ratio": r["cycle_s"] / native["median_last6_s"], "low": None, "high": None}
+            parts = {}
             for kind_label, kind in KINDS.items():  # the steady rounds in which it ran this kind
                 got = steady_ratio(r["rows"], native["rows"], where=lambda row: row["kind"] == kind)
                 if got is not None:
-                    out[kind_label] = {"ratio": got[0], "low": got[1], "high": got[2], "rounds": got[3]}
+                    out[kind_label] = parts[kind] = {"ratio": got[0], "low": got[1], "high": got[2],
+                                                     "rounds": got[3]}
+            # the cycle's bounds from its parts' (one teacher, three synthetic updates): both parts at their low
+            # ends, then at their high ends, wider than a joint interval would be
+            bound = (lambda end: (parts["teacher"][end] + 3 * parts["synthetic"][end]) / 4) if len(parts) == 2 \
+                else (lambda end: None)
+            out[label] = {"ratio": r["cycle_s"] / native["median_last6_s"], "low": bound("low"),
+                          "high": bound("high")}
             continue
         share = r.get("refresh_share_s") or 0.0
         got = steady_ratio([row | {"seconds": row["seconds"] + share} for row in r["rows"]], native["rows"])
         if got is not None:
             out[label] = {"ratio": got[0], "low": got[1], "high": got[2], "rounds": got[3]}
     return out
+
+
+CYCLE = "cycle (one teacher in four)"
+
+
+def _cell(r: dict) -> str:
+    interval = f" [{r['low']:.3f}, {r['high']:.3f}]" if r.get("low") is not None else ""
+    return f"{r['ratio']:.3f}{interval}"
+
+
+def gate_status(cycle: dict) -> str:
+    """"holds" where the cycle's upper bound is under the gate, "misses" where its lower bound is over it, "at the
+    gate" where they straddle it; without bounds, its point decides."""
+    low, high = (cycle["low"], cycle["high"]) if cycle.get("low") is not None else (cycle["ratio"],) * 2
+    return "holds" if high <= CYCLE_GATE else "misses" if low > CYCLE_GATE else "at the gate"
 
 
 def summarize(out: Path) -> int:
@@ -119,16 +141,23 @@ def summarize(out: Path) -> int:
     table = {w: ratios(d) for w, d in found.items()}
     ideal = {w: ideals(w) for w in found}
     devices = sorted({d["meta"]["env"].get("gpu") or "?" for d in found.values()})
-    passing = [w for w in found if table[w].get("cycle (one teacher in four)", {}).get("ratio", 9) <= CYCLE_GATE]
-    cycle = ", ".join(f"{table[w]['cycle (one teacher in four)']['ratio']:.3f} at {w:,}" for w in found
-                      if "cycle (one teacher in four)" in table[w])
+    gate = {w: gate_status(table[w][CYCLE]) for w in found if CYCLE in table[w]}
+    passing = [w for w in gate if gate[w] == "holds"]
     # the narrowest passing width is known only where every narrower width was measured too
     unmeasured = [w for w in WIDTHS if w not in found and (not passing or w < min(passing))]
     first = min(passing) if passing and not unmeasured else None
-    verdict = (f"The gate (one teacher in four, the cycle at most {CYCLE_GATE} of native's update) "
-               + (f"holds first at width {first:,}" if first else
-                  f"holds at width {min(passing):,}" if passing else "holds at none of the widths measured")
-               + f": the cycle costs {cycle}"
+
+    def at(status: str, skip=()) -> str:
+        return " and ".join(f"{w:,} ({_cell(table[w][CYCLE])})" for w in gate if gate[w] == status and w not in skip)
+
+    if first:
+        holds = f"holds first at width {first:,} ({_cell(table[first][CYCLE])})" + (
+            f", and at {at('holds', skip=(first,))}" if len(passing) > 1 else "")
+    else:
+        holds = f"holds at width {at('holds')}" if passing else "holds clearly at none of the widths measured"
+    verdict = (f"The gate (one teacher in four, the cycle at most {CYCLE_GATE} of native's update) {holds}"
+               + "".join(f"; {what} at {at(status)}" for status, what in (
+                   ("at the gate", "the cycle's bounds straddle it"), ("misses", "it misses")) if at(status))
                + (f" (not yet measured: width {', '.join(f'{w:,}' for w in unmeasured)})" if unmeasured else "")
                + ".")
     lines = [f"# Cost against width ({', '.join(devices)})", "", f"**{verdict}**", ""]
@@ -150,37 +179,60 @@ def summarize(out: Path) -> int:
             if r is None:
                 cells.append("-")
                 continue
-            interval = f" [{r['low']:.3f}, {r['high']:.3f}]" if r["low"] is not None else ""
-            cells.append(f"{r['ratio']:.3f}{interval}; ideal {ideal[w][label]:.3f}")
+            cells.append(f"{_cell(r)}; ideal {ideal[w][label]:.3f}")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += ["", "The cycle's bounds: its parts' intervals, both at their low ends and both at their high ends "
+              "(one teacher and three synthetic updates); the gate holds where the upper bound is under it, misses "
+              "where the lower bound is over it, and is at the gate where they straddle it."]
+    uncounted = [w for w, d in found.items() if any("graphs_compiled" not in row for r in d["results"]
+                                                    for row in r["rows"])]
+    if uncounted:  # records made before compiled graphs were counted per update: no round could be left out
+        lines += ["", f"Recorded before each update counted the graphs it compiled (width "
+                  f"{', '.join(f'{w:,}' for w in uncounted)}): those ratios read every round from the third, "
+                  "compiling or not."]
     (out / "widths.md").write_text("\n".join(lines) + "\n")
     (out / "widths.json").write_text(json.dumps({"ratios": table, "ideals": ideal, "devices": devices,
-                                                 "gate_first_width": first, "unmeasured": unmeasured}, indent=2))
-    figure(out / "widths.png", table, ideal)
+                                                 "gate": gate, "gate_first_width": first,
+                                                 "unmeasured": unmeasured}, indent=2))
+    figure(out / "widths.png", table, ideal, tuple(uncounted))
     print("\n".join(lines))
     return 0
 
 
-def figure(path: Path, table: dict, ideal: dict) -> None:
+def figure(path: Path, table: dict, ideal: dict, uncounted: tuple[int, ...] = (), top: float = 1.12) -> None:
+    """Each arm's ratio against width (error bars: its interval), dashed its ideal; a point from a record without
+    compile counts hollow, one above `top` drawn at the edge with its value written beside it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     widths = list(table)
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(10, 5))
     for i, label in enumerate(LABELS):
         xs = [w for w in widths if label in table[w]]
         if not xs:
             continue
         color = f"C{i}"
-        ax.plot(xs, [table[w][label]["ratio"] for w in xs], "o-", color=color, label=label)
+        cells = [table[w][label] for w in xs]
+        ys = [min(c["ratio"], top) for c in cells]
+        ax.plot(xs, ys, "-", color=color, label=label)
+        for w, c, y in zip(xs, cells, ys):
+            if c.get("low") is not None and c["ratio"] <= top:
+                ax.errorbar(w, y, yerr=[[max(0.0, y - c["low"])], [max(0.0, min(c["high"], top) - y)]], color=color, capsize=3)
+            ax.plot(w, y, "o", color=color, mfc="white" if w in uncounted else color)
+            if c["ratio"] > top:
+                ax.annotate(f"{c['ratio']:.2f} (off scale)", (w, y), textcoords="offset points", xytext=(-8, -12),
+                            ha="right", fontsize=7, color=color)
         ax.plot(xs, [ideal[w][label] for w in xs], "--", color=color, alpha=0.6)
     ax.axhline(CYCLE_GATE, color="k", lw=0.8, ls=":", label=f"gate for the cycle ({CYCLE_GATE})")
+    if uncounted:
+        ax.plot([], [], "o", color="gray", mfc="white", label="hollow: compiling rounds not recorded")
+    ax.set_ylim(top=top + 0.01)
     ax.set_xlabel("width (depth 8, heads = width / 128)")
     ax.set_ylabel("time per update / native's (dashed: FLOP-proportional)")
     ax.set_xticks(widths)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -21,14 +21,18 @@ def _rows(seconds):
     return [{"update": i, "kind": "synthetic", "seconds": s} for i, s in enumerate(seconds)]
 
 
-def _arms_json(native: float, zero_ratio: float, cycle_ratio: float, gpu: str = "TEST GPU") -> dict:
+def _arms_json(native: float, zero_ratio: float, cycle_ratio: float, gpu: str = "TEST GPU", noise: float = 0.0) -> dict:
+    """Arms at known ratios to native; the cycle a teacher at 1.2 and synthetic updates at what makes its mean
+    cycle_ratio; `noise` spreads the cycle's rounds (and so its bounds) by up to that share, alternating."""
     base = [native * (1 + 0.01 * (i % 3)) for i in range(16)]  # drift that hits every arm of a round alike
+    synthetic = (4 * cycle_ratio - 1.2) / 3
     return {"meta": {"env": {"gpu": gpu}},
             "results": [{"arm": "native", "rows": _rows(base), "median_last6_s": native},
                         {"arm": "zero", "rows": _rows([s * zero_ratio for s in base])},
                         {"arm": "learned", "cycle_s": cycle_ratio * native,  # a teacher every fourth update
                          "rows": [{"update": i, "kind": "teacher" if i % 4 == 0 else "synthetic",
-                                   "seconds": s * (1.2 if i % 4 == 0 else 0.9)} for i, s in enumerate(base)]},
+                                   "seconds": s * (1.2 if i % 4 == 0 else synthetic) * (1 + noise * (-1) ** (i // 4))}
+                                  for i, s in enumerate(base)]},
                         {"arm": "sketch@credit.sketch_rank=16@credit.sketch=subspace", "rows": _rows(base),
                          "refresh_share_s": 0.1 * native}]}
 
@@ -45,14 +49,15 @@ def test_the_summary_reads_ratios_ideals_and_the_narrowest_width_that_passes(tmp
     assert zero["ratio"] == pytest.approx(0.9) and zero["low"] <= 0.9 <= zero["high"]
     assert got["ratios"]["1024"]["cycle (one teacher in four)"]["ratio"] == pytest.approx(0.92)
     # the learned update and the teacher read from the cycle's own rounds, each against native's of that round
-    assert got["ratios"]["512"]["learned (synthetic)"]["ratio"] == pytest.approx(0.9)
+    assert got["ratios"]["512"]["learned (synthetic)"]["ratio"] == pytest.approx((4 * 0.95 - 1.2) / 3)
     assert got["ratios"]["512"]["teacher"]["ratio"] == pytest.approx(1.2)
+    assert got["gate"] == {"512": "misses", "1024": "holds", "2048": "holds"}
     # a refresh's share counts in the sketch's ratio, as compare counts it
     assert got["ratios"]["512"]["sketch16"]["ratio"] == pytest.approx(1.1, rel=0.02)
     f = flop_budget(config.load("seed-w2048").model).omitted_fraction
     assert got["ideals"]["2048"]["zero"] == pytest.approx(1 - f) and got["ideals"]["2048"]["fp8"] == pytest.approx(1 - f / 2)
     assert got["ideals"]["512"]["zero"] > got["ideals"]["2048"]["zero"]  # the omitted share grows with width
-    assert "holds first at width 1,024" in (tmp_path / "widths.md").read_text()
+    assert "holds first at width 1,024 (0.920 [0.920, 0.920]), and at 2,048" in (tmp_path / "widths.md").read_text()
     assert (tmp_path / "widths.png").stat().st_size > 0
     assert "different devices" not in (tmp_path / "widths.md").read_text()
 
@@ -107,3 +112,28 @@ def test_widths_outside_the_presets_are_refused_in_one_line(tmp_path, capsys, mo
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--widths 512,1024" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_cycle_whose_bounds_straddle_the_gate_is_not_said_to_hold(tmp_path):
+    """The cycle's bounds come from its parts' intervals: a point under the gate with an upper bound over it is at
+    the gate, neither holding nor missing; the same point with tight parts holds."""
+    widths = load("widths")
+    for width, noise in ((512, 0.0), (1024, 0.04)):
+        (tmp_path / f"w{width}").mkdir()
+        (tmp_path / f"w{width}" / "arms.json").write_text(json.dumps(_arms_json(0.3, 0.9, 0.925, noise=noise)))
+    assert widths.summarize(tmp_path) == 0
+    got = json.loads((tmp_path / "widths.json").read_text())
+    wide = got["ratios"]["1024"]["cycle (one teacher in four)"]
+    assert wide["low"] < 0.925 < 0.93 < wide["high"]
+    assert got["gate"] == {"512": "holds", "1024": "at the gate"}
+    text = (tmp_path / "widths.md").read_text()
+    assert "holds first at width 512" in text and "the cycle's bounds straddle it at 1,024" in text
+
+
+def test_records_without_compile_counts_are_said_to_read_every_round(tmp_path):
+    widths = load("widths")
+    (tmp_path / "w512").mkdir()
+    (tmp_path / "w512" / "arms.json").write_text(json.dumps(_arms_json(0.3, 0.9, 0.95)))
+    assert widths.summarize(tmp_path) == 0
+    assert "Recorded before each update counted the graphs it compiled (width 512)" in (
+        tmp_path / "widths.md").read_text()
