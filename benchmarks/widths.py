@@ -219,7 +219,9 @@ def figure(path: Path, table: dict, ideal: dict, uncounted: tuple[int, ...] = ()
         ax.plot(xs, ys, "-", color=color, label=label)
         for w, c, y in zip(xs, cells, ys):
             if c.get("low") is not None and c["ratio"] <= top:
-                ax.errorbar(w, y, yerr=[[max(0.0, y - c["low"])], [max(0.0, min(c["high"], top) - y)]], color=color, capsize=3)
+                # the cycle's point (its mean time) can sit just outside its parts' bounds: no negative bar
+                spread = [[max(0.0, y - c["low"])], [max(0.0, min(c["high"], top) - y)]]
+                ax.errorbar(w, y, yerr=spread, color=color, capsize=3)
             ax.plot(w, y, "o", color=color, mfc="white" if w in uncounted else color)
             if c["ratio"] > top:
                 ax.annotate(f"{c['ratio']:.2f} (off scale)", (w, y), textcoords="offset points", xytext=(-8, -12),

@@ -21,7 +21,8 @@ def _rows(seconds):
     return [{"update": i, "kind": "synthetic", "seconds": s} for i, s in enumerate(seconds)]
 
 
-def _arms_json(native: float, zero_ratio: float, cycle_ratio: float, gpu: str = "TEST GPU", noise: float = 0.0) -> dict:
+def _arms_json(native: float, zero_ratio: float, cycle_ratio: float, gpu: str = "TEST GPU",
+               noise: float = 0.0) -> dict:
     """Arms at known ratios to native; the cycle a teacher at 1.2 and synthetic updates at what makes its mean
     cycle_ratio; `noise` spreads the cycle's rounds (and so its bounds) by up to that share, alternating."""
     base = [native * (1 + 0.01 * (i % 3)) for i in range(16)]  # drift that hits every arm of a round alike
