@@ -12,6 +12,9 @@
 # FOLDER:FLAGS: one process each, e.g. "seed1:--seeds 1 --repeat 2"; by default seed1, seed2 and seed3, one seed
 #        each. `creditlab compare --merge STATE/seed1 STATE/seed2 STATE/seed3 --out DIR` joins them once all
 #        have finished.
+# STUDY_WHOLE=1: start a new folder only where the time left covers the longest that a finished folder took (its
+#        pieces summed, from STATE/durations.txt): for a last call, after which STATE is gone with the machine
+#        and a folder begun would be lost.
 set -uo pipefail
 if [ $# -lt 5 ]; then
   echo "usage: benchmarks/study.sh EXPERIMENT STATE DATA OUT SECONDS [FOLDER:FLAGS ...]" >&2
@@ -27,6 +30,14 @@ start=$(date +%s)
 mkdir -p "$state" "$out"
 log="$state/log.txt"
 left() { echo $((seconds - ($(date +%s) - start))); }
+# the longest time a finished folder took, its pieces summed (empty if none has finished)
+longest_finished() {
+  [ -f "$state/durations.txt" ] || return 0
+  local name
+  for name in $(awk '{print $1}' "$state/durations.txt" | sort -u); do
+    [ -f "$state/$name/compare.json" ] && awk -v n="$name" '$1 == n {s += $2} END {print s}' "$state/durations.txt"
+  done | sort -n | tail -n 1
+}
 if [ ! -f "$data/manifest.json" ]; then
   python3 -m creditlab.cli data prepare --source pack:docs --out "$data" --no-progress 2>&1 | tail -n 12 | tee -a "$log"
 fi
@@ -38,12 +49,19 @@ for spec in "${specs[@]}"; do
   if [ -f "$folder/experiment.toml" ]; then
     what=(--resume "$folder")
   else
+    longest=$(longest_finished)
+    if [ "${STUDY_WHOLE:-0}" = 1 ] && [ -n "$longest" ] && [ "$budget" -lt "$longest" ]; then
+      echo "== not started: ${spec%%:*} (a finished folder took ${longest} s; ${budget} s left)" | tee -a "$log"
+      break
+    fi
     # shellcheck disable=SC2206
     what=("$experiment" ${spec#*:} --set "data.dir=$data" --out "$folder")
   fi
   echo "== $(date -u +%H:%M:%S) ${what[*]} (for at most ${budget} s)" | tee -a "$log"
+  began=$(date +%s)
   timeout -s INT -k 60 "$budget" python3 -m creditlab.cli compare "${what[@]}" --no-progress >>"$log" 2>&1
   echo "== exit $?" | tee -a "$log"
+  echo "$(basename "$folder") $(( $(date +%s) - began ))" >>"$state/durations.txt"
 done
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$out/device.txt" 2>&1
 for folder in "$state"/*/; do

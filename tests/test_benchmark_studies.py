@@ -1,5 +1,6 @@
 """benchmarks/admitted_study.sh on the CPU: admission, screen, a comparison of every seed in one folder, one
-FINAL_HELDOUT read of all its final models, and what comes back; a second call changes nothing."""
+FINAL_HELDOUT read of all its final models, and what comes back; a second call changes nothing. And
+benchmarks/study.sh's last call, which starts no folder it cannot finish."""
 
 import json
 import os
@@ -64,3 +65,33 @@ def test_an_admitted_study_reads_the_held_out_split_once_for_every_final_model(t
     assert again.returncode == 0, again.stderr
     assert json.loads((out / "heldout.json").read_text()) == heldout
     assert "heldout exit" not in again.stdout
+
+
+def _study(tmp_path: Path, seconds: int, whole: bool) -> str:
+    """benchmarks/study.sh with seed1 finished (in two pieces, 200 + 250 s) and seed9 begun but unfinished."""
+    state, data = tmp_path / "state", tmp_path / "data"
+    for name, finished in (("seed1", True), ("seed9", False)):
+        (state / name).mkdir(parents=True, exist_ok=True)
+        (state / name / "experiment.toml").write_text("")
+        if finished:
+            (state / name / "compare.json").write_text("{}")
+    (state / "durations.txt").write_text("seed1 200\nseed9 9999\nseed1 250\n")
+    data.mkdir(exist_ok=True)
+    (data / "manifest.json").write_text("{}")  # prepared already: the script prepares nothing
+    before = (state / "log.txt").read_text() if (state / "log.txt").exists() else ""
+    env = os.environ | {"PYTHONPATH": str(ROOT), "STUDY_WHOLE": "1" if whole else "0"}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "study.sh"), str(tmp_path / "missing.toml"), str(state),
+                           str(data), str(tmp_path / "out"), str(seconds), "seed1:--seeds 1", "seed2:--seeds 2"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return (state / "log.txt").read_text()[len(before):]  # this call's lines (the log is appended to)
+
+
+def test_a_last_call_starts_no_folder_it_cannot_finish(tmp_path):
+    """With STUDY_WHOLE=1 a new folder starts only if the time left covers the longest finished one (its pieces
+    summed: 450 s, not its longest piece); without it, the folder starts, to be resumed by the next call."""
+    log = _study(tmp_path, 400, whole=True)  # 355 s left for seed2 after the margin: under 450
+    assert "not started: seed2 (a finished folder took 450 s; 355 s left)" in log
+    assert not (tmp_path / "state" / "seed2").exists() and (tmp_path / "out" / "seed1.tar.xz").exists()
+    log = _study(tmp_path, 400, whole=False)
+    assert "not started" not in log and "--seeds 2" in log  # begun (it fails at once: no experiment file)
