@@ -33,10 +33,8 @@ left() { echo $((seconds - ($(date +%s) - start))); }
 # the longest time a finished folder took, its pieces summed (empty if none has finished)
 longest_finished() {
   [ -f "$state/durations.txt" ] || return 0
-  local name
-  for name in $(awk '{print $1}' "$state/durations.txt" | sort -u); do
-    [ -f "$state/$name/compare.json" ] && awk -v n="$name" '$1 == n {s += $2} END {print s}' "$state/durations.txt"
-  done | sort -n | tail -n 1
+  awk '{s[$1] += $2} END {for (n in s) print n, s[n]}' "$state/durations.txt" |
+    while read -r name total; do [ -f "$state/$name/compare.json" ] && echo "$total"; done | sort -n | tail -n 1
 }
 if [ ! -f "$data/manifest.json" ]; then
   python3 -m creditlab.cli data prepare --source pack:docs --out "$data" --no-progress 2>&1 | tail -n 12 | tee -a "$log"

@@ -84,6 +84,14 @@ def run(out: Path, updates: int, widths: tuple[int, ...] = WIDTHS) -> int:
     return summarize(out)
 
 
+def cycle_bound(parts: dict[str, dict], end: str) -> float | None:
+    """One end of the cycle's bounds from its parts' intervals (one teacher, three synthetic updates, both at that
+    end: wider than a joint interval would be); None without both parts."""
+    if set(parts) != {"teacher", "synthetic"}:
+        return None
+    return (parts["teacher"][end] + 3 * parts["synthetic"][end]) / 4
+
+
 def ratios(arms_json: dict) -> dict[str, dict]:
     """Per arm label: the ratio to native (where the arm runs one kind of update, the per-round median with its
     95% interval over the rounds from the third in which neither it nor native compiled, its refresh counted; the
@@ -102,12 +110,8 @@ def ratios(arms_json: dict) -> dict[str, dict]:
                 if got is not None:
                     out[kind_label] = parts[kind] = {"ratio": got[0], "low": got[1], "high": got[2],
                                                      "rounds": got[3]}
-            # the cycle's bounds from its parts' (one teacher, three synthetic updates): both parts at their low
-            # ends, then at their high ends, wider than a joint interval would be
-            bound = (lambda end: (parts["teacher"][end] + 3 * parts["synthetic"][end]) / 4) if len(parts) == 2 \
-                else (lambda end: None)
-            out[label] = {"ratio": r["cycle_s"] / native["median_last6_s"], "low": bound("low"),
-                          "high": bound("high")}
+            out[label] = {"ratio": r["cycle_s"] / native["median_last6_s"], "low": cycle_bound(parts, "low"),
+                          "high": cycle_bound(parts, "high")}
             continue
         share = r.get("refresh_share_s") or 0.0
         got = steady_ratio([row | {"seconds": row["seconds"] + share} for row in r["rows"]], native["rows"])
