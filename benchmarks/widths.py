@@ -5,6 +5,8 @@ FLOP-proportional ideal, and the narrowest width where the seed's optimistic gat
                                           (any CUDA machine; one process per width, resumable: --widths splits
                                            the run; each arm compiles for about 30 s before its updates)
     python3 benchmarks/widths.py summarize OUT              (any machine: OUT/widths.md and OUT/widths.png)
+    python3 benchmarks/widths.py project OUT --compare COMPARE.json --width W [--md FILE]
+                                          (any machine: which arms of a comparison could pay at width W)
 
 `run` calls benchmarks/arms.py once per width (presets `seed`, `seed-w1024`, `seed-w1536`, `seed-w2048`: depth 8,
 heads = width / 128, the same 524,288 tokens an update, micro-batches as config.seed_at_width says), into
@@ -18,6 +20,13 @@ synthetic update 1 - f (the predictor's own FLOPs left out), the teacher 1 (its 
 (the cycle) 1 - 3f/4, the rank-16 sketch 1 - f + its own FLOPs (refresh amortized), fp8 1 - f/2 (its products at
 twice bf16's rate), dropbp 1 - f in expectation. The gate: the cycle at most 0.93 (DESIGN's one-teacher-in-four
 gate on the cycle's mean time).
+
+`project` carries a comparison's learning to another width. Per seed, an arm's speedup times its cost per update
+is the share of native's updates at which native reaches the arm's DEV loss (a count of updates: no device in
+it). Over the width's measured cost of the arm, that is the speedup it would have there if it learned as it did
+in the comparison: the seeds' t-interval of that share over the cost's interval, ends against ends. An arm is
+ruled out at that width where even the upper end is under 1. The assumption (that the share carries over to the
+wider model) is what a comparison at that width tests.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from creditlab import config as config_mod  # noqa: E402
 from creditlab.experiments.arms_runner import steady_ratio  # noqa: E402
+from creditlab.experiments.verdict import interval  # noqa: E402
 from creditlab.flops import flop_budget, sketch_cost  # noqa: E402
 
 WIDTHS = (512, *config_mod.SEED_WIDTHS)
@@ -203,6 +213,60 @@ def summarize(out: Path) -> int:
     return 0
 
 
+def width_cost(arm: str, costs: dict[str, dict]) -> dict | None:
+    """An arm of a comparison, its cost per update at a width: the measured ratio of its family (a one-in-four
+    floor composed from zero's, its exact updates at native's cost); None for native and arms not measured."""
+    name, _, overrides = arm.partition("@")
+    if name == "zero" and "credit.schedule=fixed:4" in overrides:
+        zero = costs.get("zero")
+        return None if zero is None else {end: (3 * zero[end] + 1) / 4 for end in ("ratio", "low", "high")}
+    label = {"zero": "zero", "learned": CYCLE, "sketch": "sketch16", "fp8": "fp8", "dropbp": "dropbp"}.get(name)
+    if name == "sketch" and not ("credit.sketch_rank=16" in overrides and "credit.sketch=subspace" in overrides):
+        label = None  # the width benchmark measured the rank-16 sketch with the subspace refresh only
+    return costs.get(label) if label else None
+
+
+def project(compare: dict, costs: dict[str, dict]) -> list[dict]:
+    """Per arm of `compare` with a speedup and a cost at the width: the share of native's updates that reaches its
+    loss (t-interval over seeds; an upper bound where a seed ended above native's cheapest budget), the projected
+    speedup's ends, and whether the arm is ruled out there."""
+    rows = []
+    for arm, summary in compare["summary"].items():
+        cost = width_cost(arm, costs)
+        speed = summary.get("speedup") or {}
+        per_seed = speed.get("per_seed") or {}
+        study_cost = dict(zip(map(str, compare["seeds"]), summary["cost_vs_native"]["values"]))
+        shares = [v["value"] * study_cost[seed] for seed, v in per_seed.items()
+                  if v.get("value") is not None and seed in study_cost]
+        if cost is None or len(shares) < 2:
+            continue
+        share = interval(shares)
+        upper_only = any(v.get("bound") == "below" for v in per_seed.values())
+        low, high = share.low / cost["high"], share.high / cost["low"]
+        rows.append({"arm": arm, "share": share.to_dict(), "share_upper_only": upper_only, "cost": cost,
+                     "projected": {"ratio": share.mean / cost["ratio"], "low": None if upper_only else low,
+                                   "high": high},
+                     "ruled_out": high < 1.0})
+    return rows
+
+
+def projection_md(rows: list[dict], width: int, source: str, devices: list[str]) -> str:
+    lines = [f"# Which arms could pay at width {width:,}", "",
+             f"From {source} (its learning) and the width benchmark's costs at {width:,} ({', '.join(devices)}). "
+             "An arm is ruled out where its projected speedup's upper end is under 1.", "",
+             "| arm | share of native's updates reaching its loss | cost at the width | projected speedup | "
+             "at this width |", "|---|---|---|---|---|"]
+    for r in rows:
+        share, proj = r["share"], r["projected"]
+        share_txt = (f"< {share['high']:.3f}" if r["share_upper_only"]
+                     else f"{share['mean']:.3f} [{share['low']:.3f}, {share['high']:.3f}]")
+        proj_txt = (f"< {proj['high']:.3f}" if proj["low"] is None
+                    else f"{proj['ratio']:.3f} [{proj['low']:.3f}, {proj['high']:.3f}]")
+        lines.append(f"| {r['arm']} | {share_txt} | {_cell(r['cost'])} | {proj_txt} | "
+                     f"{'ruled out' if r['ruled_out'] else 'kept'} |")
+    return "\n".join(lines) + "\n"
+
+
 def figure(path: Path, table: dict, ideal: dict, uncounted: tuple[int, ...] = (), top: float = 1.12) -> None:
     """Each arm's ratio against width (error bars: its interval), dashed its ideal; a point from a record without
     compile counts hollow, one above `top` drawn at the edge with its value written beside it."""
@@ -244,6 +308,24 @@ def figure(path: Path, table: dict, ideal: dict, uncounted: tuple[int, ...] = ()
     plt.close(fig)
 
 
+def project_command(out: Path, compare_path: Path, width: int, md: Path | None) -> int:
+    widths_json, arms_json = out / "widths.json", out / f"w{width}" / "arms.json"
+    if not widths_json.exists() or not arms_json.exists():
+        print(f"widths.py: no width {width} measured under {out}: run `python3 benchmarks/widths.py run {out} "
+              f"--widths {width}` and `python3 benchmarks/widths.py summarize {out}` first", file=sys.stderr)
+        return 2
+    if not compare_path.exists():
+        print(f"widths.py: no {compare_path}: name a comparison's compare.json", file=sys.stderr)
+        return 2
+    costs = json.loads(widths_json.read_text())["ratios"].get(str(width), {})
+    device = json.loads(arms_json.read_text())["meta"]["env"].get("gpu") or "?"
+    text = projection_md(project(json.loads(compare_path.read_text()), costs), width, str(compare_path), [device])
+    if md:
+        md.write_text(text)
+    print(text, end="")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="what", required=True)
@@ -254,9 +336,16 @@ def main() -> int:
                    help=f"comma-separated widths among {', '.join(map(str, WIDTHS))} (default all)")
     s = sub.add_parser("summarize", help="the table and figure of what ran")
     s.add_argument("out", type=Path)
+    p = sub.add_parser("project", help="which arms of a comparison could pay at a measured width")
+    p.add_argument("out", type=Path)
+    p.add_argument("--compare", type=Path, required=True, help="a comparison's compare.json")
+    p.add_argument("--width", type=int, required=True)
+    p.add_argument("--md", type=Path, help="also write the table there")
     args = ap.parse_args()
     if args.what == "summarize":
         return summarize(args.out)
+    if args.what == "project":
+        return project_command(args.out, args.compare, args.width, args.md)
     try:
         widths = tuple(int(w) for w in args.widths.split(","))
     except ValueError:

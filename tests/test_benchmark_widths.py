@@ -138,3 +138,55 @@ def test_records_without_compile_counts_are_said_to_read_every_round(tmp_path):
     assert widths.summarize(tmp_path) == 0
     assert "Recorded before each update counted the graphs it compiled (width 512)" in (
         tmp_path / "widths.md").read_text()
+
+
+T_975_DF2 = 4.302652729749464  # Student's t, 97.5th percentile, two degrees of freedom (from tables)
+
+
+def _compare(arms: dict[str, tuple[list[float], list[float], str | None]]) -> dict:
+    """A compare.json summary: per arm, its seeds' speedups, its seeds' costs per update and the speedups' bound."""
+    return {"seeds": [1, 2, 3], "summary": {
+        arm: {"cost_vs_native": {"values": costs},
+              "speedup": {"per_seed": {str(seed): {"value": v, "bound": bound} for seed, v in zip((1, 2, 3), speeds)}}}
+        for arm, (speeds, costs, bound) in arms.items()}}
+
+
+def test_the_projection_carries_a_comparisons_learning_to_a_width():
+    widths = load("widths")
+    costs = {widths.CYCLE: {"ratio": 0.95, "low": 0.9, "high": 0.96},
+             "sketch16": {"ratio": 0.9, "low": 0.89, "high": 0.91},
+             "zero": {"ratio": 0.8, "low": 0.79, "high": 0.81}}
+    compare = _compare({"native": ([1.0, 1.0, 1.0], [1.0, 1.0, 1.0], None),
+                        "learned@credit.fit=lstsq": ([0.9, 0.92, 0.94], [1.0, 1.0, 1.0], None),
+                        "sketch@credit.sketch_rank=16@credit.sketch=subspace": ([0.8, 0.81, 0.82], [1.0] * 3, None),
+                        "sketch@credit.sketch_rank=32": ([0.99, 0.99, 0.99], [1.0] * 3, None),
+                        "zero@credit.schedule=fixed:4": ([0.85, 0.85, 0.85], [0.9, 0.95, 1.0], None),
+                        "zero": ([0.7, 0.7, 0.7], [0.9, 0.9, 0.9], "below")})
+    rows = {r["arm"]: r for r in widths.project(compare, costs)}
+    # native and a sketch the width benchmark did not measure have no cost at the width
+    assert set(rows) == {"learned@credit.fit=lstsq", "sketch@credit.sketch_rank=16@credit.sketch=subspace",
+                         "zero@credit.schedule=fixed:4", "zero"}
+    half = T_975_DF2 * 0.02 / 3 ** 0.5  # the learned arm's shares 0.90, 0.92, 0.94: sd 0.02
+    learned = rows["learned@credit.fit=lstsq"]
+    assert learned["projected"]["ratio"] == pytest.approx(0.92 / 0.95)  # under 1 at the point
+    assert learned["projected"]["low"] == pytest.approx((0.92 - half) / 0.96)
+    assert learned["projected"]["high"] == pytest.approx((0.92 + half) / 0.9)
+    assert not learned["ruled_out"]  # its upper end reaches 1
+    sketch = rows["sketch@credit.sketch_rank=16@credit.sketch=subspace"]
+    assert sketch["projected"]["high"] == pytest.approx((0.81 + T_975_DF2 * 0.01 / 3 ** 0.5) / 0.89)
+    assert sketch["ruled_out"]  # 0.938: even its best end is under 1
+    floor = rows["zero@credit.schedule=fixed:4"]  # one exact update in four at native's cost, three at zero's
+    assert floor["cost"] == pytest.approx({"ratio": 0.85, "low": 0.8425, "high": 0.8575})
+    assert floor["share"]["mean"] == pytest.approx(0.85 * 0.95)  # speedup times the study's own cost, per seed
+    zero = rows["zero"]  # every seed above native's cheapest budget: an upper bound only
+    assert zero["share_upper_only"] and zero["projected"]["low"] is None and zero["ruled_out"]
+    text = widths.projection_md(list(rows.values()), 1536, "study/compare.json", ["TEST GPU"])
+    assert "| zero | < 0.630 | 0.800 [0.790, 0.810] | < 0.797 | ruled out |" in text
+    assert "| learned@credit.fit=lstsq | 0.920 [" in text and "| kept |" in text
+
+
+def test_a_projection_to_an_unmeasured_width_says_what_to_run(tmp_path, capsys):
+    widths = load("widths")
+    assert widths.project_command(tmp_path, tmp_path / "compare.json", 2048, None) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"benchmarks/widths.py run {tmp_path} --widths 2048" in err
