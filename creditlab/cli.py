@@ -186,7 +186,7 @@ def cmd_train(args) -> int:
 def _train(args, cfg, runtime, trainer, record) -> int:
     """The loop of `train`, and the end of its record: result and report, or failure.json saying why not."""
     from creditlab.protocol.records import append_jsonl, read_jsonl, write_once
-    from creditlab.train import Diverged, UpdateRow, latest_rows, median_last, row_dict
+    from creditlab.train import Diverged, UpdateRow, drop_finished_checkpoints, latest_rows, median_last, row_dict
 
     def on_row(row):
         if record is None:
@@ -225,6 +225,7 @@ def _train(args, cfg, runtime, trainer, record) -> int:
         if record is not None:
             trainer.save_model(record / "model.pt")
             write_once(record / "result.json", result)
+            drop_finished_checkpoints(record, cfg)
             from creditlab.experiments.report import report
             report([record])
     except Diverged as exc:  # the run's own failure, not the program's: one line, the record says the rest

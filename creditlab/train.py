@@ -417,6 +417,14 @@ def checkpoints(folder) -> list:
     return sorted(Path(folder).glob("checkpoint_*.pt"))
 
 
+def drop_finished_checkpoints(folder, cfg: Config) -> None:
+    """A finished run's checkpoints removed where train.drop_finished_checkpoints asks (after its model.pt and
+    result.json are written: a run stopped before them keeps its checkpoints)."""
+    if cfg.train.drop_finished_checkpoints:
+        for path in checkpoints(folder):
+            path.unlink(missing_ok=True)
+
+
 def read_checkpoint(path) -> dict:
     # To the CPU: load_state_dict copies every tensor to its parameter's device and dtype.
     return torch.load(path, map_location="cpu", weights_only=True)

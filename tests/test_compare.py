@@ -448,6 +448,20 @@ def test_an_interrupted_comparison_resumes_to_the_numbers_of_an_uninterrupted_on
     assert "has finished" in capsys.readouterr().err
 
 
+def test_a_comparison_that_drops_finished_checkpoints_resumes_and_keeps_every_final_model(tmp_path, monkeypatch,
+                                                                                       capsys):
+    sets = [*RESUMABLE, "train.drop_finished_checkpoints=true"]
+    with monkeypatch.context() as patched:
+        _stop_after(patched, 10)  # one arm run finished, three saved where they stand
+        assert _compare(tmp_path / "c", "native,zero", seeds="1", sets=sets) == 130
+    runs = [p for p in (tmp_path / "c").iterdir() if p.is_dir() and (p / "config.json").exists()]
+    finished = [p for p in runs if (p / "result.json").exists()]
+    assert len(finished) == 1 and not list(finished[0].glob("checkpoint_*.pt"))
+    assert all(list(p.glob("checkpoint_*.pt")) for p in runs if p not in finished)  # what a resume needs
+    assert cli.main(["compare", "--resume", str(tmp_path / "c"), "--no-progress"]) == 0
+    assert runs and all((p / "model.pt").exists() and not list(p.glob("checkpoint_*.pt")) for p in runs)
+
+
 def _without_records(value):
     if isinstance(value, dict):
         return {k: _without_records(v) for k, v in value.items() if k not in ("record", "measured_seconds")}

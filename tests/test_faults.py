@@ -325,6 +325,16 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path, keep, kept):
     assert names == [f"checkpoint_{u:06d}.pt" for u in kept]
 
 
+def test_a_finished_run_drops_its_checkpoints_only_when_asked(tmp_path):
+    assert train(tmp_path / "a", "train.checkpoint_every=2", "train.drop_finished_checkpoints=true", updates=4) == 0
+    record = the_record(tmp_path / "a" / "runs")
+    assert (record / "model.pt").exists() and (record / "result.json").exists()
+    assert not list(record.glob("checkpoint_*.pt"))
+    assert train(tmp_path / "b", "train.checkpoint_every=2", updates=4) == 0
+    assert [p.name for p in sorted(the_record(tmp_path / "b" / "runs").glob("checkpoint_*.pt"))] == [
+        "checkpoint_000002.pt", "checkpoint_000004.pt"]
+
+
 # --- records ---------------------------------------------------------------------------------------------------
 
 def test_records_are_strict_json_with_one_mode(tmp_path):

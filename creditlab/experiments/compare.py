@@ -250,9 +250,12 @@ class ArmRun:
     def finish(self) -> dict:
         import torch
 
+        from creditlab.train import drop_finished_checkpoints
+
         self.trainer.save_model(self.folder / "model.pt")
         summary = arm_summary(self.rows, self.evals) | {"record": self.folder.name} | self.extra
         write_once(self.folder / "result.json", summary)
+        drop_finished_checkpoints(self.folder, self.cfg)
         self.tracker.finish()
         is_cuda = self.trainer.runtime.is_cuda
         self.trainer = self.evaluator = None
