@@ -127,7 +127,7 @@ class TrainConfig:
     keep_checkpoints: int = 2  # checkpoints kept in a record, newest first (0: keep all)
     # true: a run that finished removes its checkpoints once model.pt and result.json are written (all that a
     # resumed comparison and a held-out read need of it); for studies of wide models, whose checkpoints would
-    # otherwise fill the disk (3.4 GB a run at width 1,536)
+    # otherwise fill the disk
     drop_finished_checkpoints: bool = False
     # A loss within 2% of ln(vocab) (chance), or more than 1 nat above its running minimum, for this many updates
     # in a row writes a warning (0: never).
