@@ -30,6 +30,10 @@ dir = "named by the script"
 updates = 20
 eval_every = 10
 eval_tokens = 2048
+# as the gate-width study keeps its disk: one checkpoint a running arm, none once finished
+checkpoint_every = 10
+keep_checkpoints = 1
+drop_finished_checkpoints = true
 
 [compare]
 native_budgets = "0.7,1.0"
@@ -60,6 +64,8 @@ def test_an_admitted_study_reads_the_held_out_split_once_for_every_final_model(t
     with tarfile.open(out / "all.tar.xz") as packed:
         names = packed.getnames()
     assert f"all/heldout-{admission[:16]}.json" in names and not any(n.endswith(".pt") for n in names)
+    kept = list((tmp_path / "state" / "study" / "all").glob("*/*.pt"))  # the final models the read needed, alone
+    assert kept and all(p.name == "model.pt" for p in kept)
     # a second call finds everything done: no second read (the ledger would refuse it), the same result back
     again = _call(tmp_path)
     assert again.returncode == 0, again.stderr
