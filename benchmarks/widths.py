@@ -314,12 +314,16 @@ def project_command(out: Path, compare_path: Path, width: int, md: Path | None) 
         print(f"widths.py: no width {width} measured under {out}: run `python3 benchmarks/widths.py run {out} "
               f"--widths {width}` and `python3 benchmarks/widths.py summarize {out}` first", file=sys.stderr)
         return 2
-    if not compare_path.exists():
-        print(f"widths.py: no {compare_path}: name a comparison's compare.json", file=sys.stderr)
+    try:
+        compare = json.loads(compare_path.read_text())
+        compare["summary"], compare["seeds"]
+    except (OSError, ValueError, KeyError, TypeError):
+        print(f"widths.py: {compare_path} is not a comparison's compare.json: name the one that "
+              "`creditlab compare` or `compare --merge` wrote", file=sys.stderr)
         return 2
     costs = json.loads(widths_json.read_text())["ratios"].get(str(width), {})
     device = json.loads(arms_json.read_text())["meta"]["env"].get("gpu") or "?"
-    text = projection_md(project(json.loads(compare_path.read_text()), costs), width, str(compare_path), [device])
+    text = projection_md(project(compare, costs), width, str(compare_path), [device])
     if md:
         md.write_text(text)
     print(text, end="")

@@ -190,3 +190,16 @@ def test_a_projection_to_an_unmeasured_width_says_what_to_run(tmp_path, capsys):
     assert widths.project_command(tmp_path, tmp_path / "compare.json", 2048, None) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and f"benchmarks/widths.py run {tmp_path} --widths 2048" in err
+
+
+def test_a_projection_from_what_is_not_a_comparison_says_so(tmp_path, capsys):
+    widths = load("widths")
+    (tmp_path / "w1536").mkdir()
+    (tmp_path / "w1536" / "arms.json").write_text("{}")
+    (tmp_path / "widths.json").write_text("{}")
+    for text in (None, "not json", "{}"):
+        if text is not None:
+            (tmp_path / "c.json").write_text(text)
+        assert widths.project_command(tmp_path, tmp_path / "c.json", 1536, None) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "is not a comparison's compare.json" in err, err
