@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from creditlab import config as config_mod  # noqa: E402
 from creditlab.experiments.arms_runner import steady_ratio  # noqa: E402
-from creditlab.experiments.verdict import interval  # noqa: E402
+from creditlab.experiments.verdict import by_seed, interval  # noqa: E402
 from creditlab.flops import flop_budget, sketch_cost  # noqa: E402
 
 WIDTHS = (512, *config_mod.SEED_WIDTHS)
@@ -214,12 +214,16 @@ def summarize(out: Path) -> int:
 
 
 def width_cost(arm: str, costs: dict[str, dict]) -> dict | None:
-    """An arm of a comparison, its cost per update at a width: the measured ratio of its family (a one-in-four
-    floor composed from zero's, its exact updates at native's cost); None for native and arms not measured."""
+    """An arm of a comparison, its cost per update at a width: the measured ratio of its family (a floor with one
+    exact update in n composed from zero's, its exact updates at native's cost); None for native and arms not
+    measured."""
     name, _, overrides = arm.partition("@")
-    if name == "zero" and "credit.schedule=fixed:4" in overrides:
-        zero = costs.get("zero")
-        return None if zero is None else {end: (3 * zero[end] + 1) / 4 for end in ("ratio", "low", "high")}
+    if name == "zero" and "credit.schedule=" in overrides:  # a floor: one exact update in n
+        schedule = overrides.split("credit.schedule=")[1].split("@")[0]
+        zero, n = costs.get("zero"), schedule.removeprefix("fixed:")
+        if zero is None or not schedule.startswith("fixed:") or not n.isdigit() or int(n) < 1:
+            return None
+        return {end: ((int(n) - 1) * zero[end] + 1) / int(n) for end in ("ratio", "low", "high")}
     label = {"zero": "zero", "learned": CYCLE, "sketch": "sketch16", "fp8": "fp8", "dropbp": "dropbp"}.get(name)
     if name == "sketch" and not ("credit.sketch_rank=16" in overrides and "credit.sketch=subspace" in overrides):
         label = None  # the width benchmark measured the rank-16 sketch with the subspace refresh only
@@ -235,9 +239,11 @@ def project(compare: dict, costs: dict[str, dict]) -> list[dict]:
         cost = width_cost(arm, costs)
         speed = summary.get("speedup") or {}
         per_seed = speed.get("per_seed") or {}
-        study_cost = dict(zip(map(str, compare["seeds"]), summary["cost_vs_native"]["values"]))
-        shares = [v["value"] * study_cost[seed] for seed, v in per_seed.items()
-                  if v.get("value") is not None and seed in study_cost]
+        study_cost = by_seed({key: run["seconds_per_update"] / compare["runs"]["native"][key]["seconds_per_update"]
+                              for key, run in compare["runs"].get(arm, {}).items()
+                              if key in compare["runs"].get("native", {})})
+        shares = [v["value"] * study_cost[int(seed)] for seed, v in per_seed.items()
+                  if v.get("value") is not None and int(seed) in study_cost]
         if cost is None or len(shares) < 2:
             continue
         share = interval(shares)
@@ -316,7 +322,7 @@ def project_command(out: Path, compare_path: Path, width: int, md: Path | None) 
         return 2
     try:
         compare = json.loads(compare_path.read_text())
-        compare["summary"], compare["seeds"]
+        compare["summary"], compare["runs"]
     except (OSError, ValueError, KeyError, TypeError):
         print(f"widths.py: {compare_path} is not a comparison's compare.json: name the one that "
               "`creditlab compare` or `compare --merge` wrote", file=sys.stderr)

@@ -144,11 +144,15 @@ T_975_DF2 = 4.302652729749464  # Student's t, 97.5th percentile, two degrees of 
 
 
 def _compare(arms: dict[str, tuple[list[float], list[float], str | None]]) -> dict:
-    """A compare.json summary: per arm, its seeds' speedups, its seeds' costs per update and the speedups' bound."""
-    return {"seeds": [1, 2, 3], "summary": {
-        arm: {"cost_vs_native": {"values": costs},
-              "speedup": {"per_seed": {str(seed): {"value": v, "bound": bound} for seed, v in zip((1, 2, 3), speeds)}}}
-        for arm, (speeds, costs, bound) in arms.items()}}
+    """A compare.json: per arm, its seeds' speedups, its seeds' costs per update (native's update taking 2 s) and the
+    speedups' bound; seed 3 of every arm run twice (its repeat, at the same cost, averaged into it)."""
+    keys = ("1", "2", "3", "3r2")
+    return {"seeds": [1, 2, 3],
+            "runs": {arm: {key: {"seconds_per_update": 2.0 * costs[min(i, 2)]} for i, key in enumerate(keys)}
+                     for arm, (_, costs, _) in arms.items()},
+            "summary": {arm: {"speedup": {"per_seed": {str(seed): {"value": v, "bound": bound}
+                                                       for seed, v in zip((1, 2, 3), speeds)}}}
+                        for arm, (speeds, _, bound) in arms.items()}}
 
 
 def test_the_projection_carries_a_comparisons_learning_to_a_width():
@@ -161,11 +165,13 @@ def test_the_projection_carries_a_comparisons_learning_to_a_width():
                         "sketch@credit.sketch_rank=16@credit.sketch=subspace": ([0.8, 0.81, 0.82], [1.0] * 3, None),
                         "sketch@credit.sketch_rank=32": ([0.99, 0.99, 0.99], [1.0] * 3, None),
                         "zero@credit.schedule=fixed:4": ([0.85, 0.85, 0.85], [0.9, 0.95, 1.0], None),
+                        "zero@credit.schedule=fixed:2": ([0.85, 0.85, 0.85], [0.9, 0.9, 0.9], None),
+                        "zero@credit.schedule=warmup:10": ([0.85, 0.85, 0.85], [0.9, 0.9, 0.9], None),
                         "zero": ([0.7, 0.7, 0.7], [0.9, 0.9, 0.9], "below")})
     rows = {r["arm"]: r for r in widths.project(compare, costs)}
-    # native and a sketch the width benchmark did not measure have no cost at the width
+    # native, a sketch the width benchmark did not measure and a schedule of no fixed share have no cost there
     assert set(rows) == {"learned@credit.fit=lstsq", "sketch@credit.sketch_rank=16@credit.sketch=subspace",
-                         "zero@credit.schedule=fixed:4", "zero"}
+                         "zero@credit.schedule=fixed:4", "zero@credit.schedule=fixed:2", "zero"}
     half = T_975_DF2 * 0.02 / 3 ** 0.5  # the learned arm's shares 0.90, 0.92, 0.94: sd 0.02
     learned = rows["learned@credit.fit=lstsq"]
     assert learned["projected"]["ratio"] == pytest.approx(0.92 / 0.95)  # under 1 at the point
@@ -178,6 +184,7 @@ def test_the_projection_carries_a_comparisons_learning_to_a_width():
     floor = rows["zero@credit.schedule=fixed:4"]  # one exact update in four at native's cost, three at zero's
     assert floor["cost"] == pytest.approx({"ratio": 0.85, "low": 0.8425, "high": 0.8575})
     assert floor["share"]["mean"] == pytest.approx(0.85 * 0.95)  # speedup times the study's own cost, per seed
+    assert rows["zero@credit.schedule=fixed:2"]["cost"]["ratio"] == pytest.approx(0.9)  # (0.8 + 1) / 2
     zero = rows["zero"]  # every seed above native's cheapest budget: an upper bound only
     assert zero["share_upper_only"] and zero["projected"]["low"] is None and zero["ruled_out"]
     text = widths.projection_md(list(rows.values()), 1536, "study/compare.json", ["TEST GPU"])
