@@ -10,9 +10,10 @@ FLOP-proportional ideal, and the narrowest width where the seed's optimistic gat
 
 `run` calls benchmarks/arms.py once per width (presets `seed`, `seed-w1024`, `seed-w1536`, `seed-w2048`: depth 8,
 heads = width / 128, the same 524,288 tokens an update, micro-batches as config.seed_at_width says), into
-OUT/w<width>/, skipping a width whose arms.json is there already. `summarize` reads them. Six arms a width: native,
-zero, learned with one teacher in four (the cycle; its synthetic updates and its teachers are read apart, each
-against native's update of the same round), the rank-16 sketch with the subspace refresh, fp8 and dropbp.
+OUT/w<width>/ (that process's output in its log.txt), skipping a width whose arms.json is there already.
+`summarize` reads them. Six arms a width: native, zero, learned with one teacher in four (the cycle; its synthetic
+updates and its teachers are read apart, each against native's update of the same round), the rank-16 sketch with
+the subspace refresh, fp8 and dropbp.
 
 The ideal of an arm is what its update would cost if time were proportional to the nominal FLOPs of
 `creditlab flops` at that width, with f the omitted products' share of an update's FLOPs: zero and the learned
@@ -86,12 +87,28 @@ def run(out: Path, updates: int, widths: tuple[int, ...] = WIDTHS) -> int:
         arms = ",".join(["native", *ARMS.values()])
         cmd = [sys.executable, str(Path(__file__).with_name("arms.py")), "--out", str(folder), "--preset",
                preset(width), "--updates", str(updates), "--arms", arms]
-        print("$ " + " ".join(cmd), flush=True)
-        done = subprocess.run(cmd)
-        if done.returncode != 0:
-            print(f"w{width}: arms.py exited {done.returncode}", file=sys.stderr)
-            return done.returncode
+        code = run_logged(cmd, folder / "log.txt")
+        if code != 0:
+            print(f"w{width}: arms.py exited {code} (its output: {folder / 'log.txt'})", file=sys.stderr)
+            return code
     return summarize(out)
+
+
+def run_logged(cmd: list[str], log: Path) -> int:
+    """Run `cmd`, its output shown as it comes and appended to `log` (a width run again after a failure adds to
+    the log of the one that failed, under its own command line), so that the page keeps what each process said."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as kept:
+        header = "$ " + " ".join(cmd) + "\n"
+        sys.stdout.write(header)
+        kept.write(header)
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                kept.write(line)
+                kept.flush()
+        return proc.returncode
 
 
 def cycle_bound(parts: dict[str, dict], end: str) -> float | None:

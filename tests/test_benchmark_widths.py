@@ -115,6 +115,26 @@ def test_widths_outside_the_presets_are_refused_in_one_line(tmp_path, capsys, mo
     assert not (tmp_path / "out").exists()
 
 
+def test_each_widths_process_output_is_kept_beside_its_record(tmp_path, capsys, monkeypatch):
+    """What a width's process prints is shown and appended to its folder's log.txt, a failed process's too, and a
+    rerun adds to that log under its own command line."""
+    import sys
+    widths = load("widths")
+    speak = [sys.executable, "-c", "import sys; print('round 1'); print('broke', file=sys.stderr); sys.exit(3)"]
+    log = tmp_path / "w2048" / "log.txt"
+    assert widths.run_logged(speak, log) == 3
+    assert widths.run_logged(speak[:2] + ["print('round 1 again')"], log) == 0
+    kept = log.read_text().splitlines()
+    assert kept[0].startswith("$ ") and kept[1:3] == ["round 1", "broke"]
+    assert kept[3].startswith("$ ") and kept[4:] == ["round 1 again"]
+    assert "round 1\nbroke\n" in capsys.readouterr().out
+    seen = []
+    monkeypatch.setattr(widths, "run_logged", lambda cmd, path: seen.append((cmd, path)) or 5)
+    assert widths.run(tmp_path, 4, (2048,)) == 5
+    assert seen[0][1] == log and "--preset" in seen[0][0] and "seed-w2048" in seen[0][0]
+    assert "w2048: arms.py exited 5" in capsys.readouterr().err
+
+
 def test_a_cycle_whose_bounds_straddle_the_gate_is_not_said_to_hold(tmp_path):
     """The cycle's bounds come from its parts' intervals: a point under the gate with an upper bound over it is at
     the gate, neither holding nor missing; the same point with tight parts holds."""
