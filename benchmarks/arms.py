@@ -24,6 +24,7 @@ import gc
 import hashlib
 import io
 import json
+import signal
 import statistics
 import sys
 import time
@@ -39,7 +40,7 @@ from creditlab.experiments.arms import parse_arm, parse_arms  # noqa: E402
 from creditlab import runtime as rt  # noqa: E402
 # rotation is re-exported: the order of a round is the runner's, one rule for the screen and this benchmark
 from creditlab.experiments.arms_runner import (OwnMemory, cuda_allocated, graphs_compiled, keep_compiled_side_by_side,  # noqa: E402,F401
-                                   rotation, run_rounds, steady_ratio, warm_variants)
+                                   rotation, run_rounds, signals_handled, steady_ratio, warm_variants)
 from creditlab.data import SyntheticLoader  # noqa: E402
 from creditlab.train import Trainer, build_model, row_dict  # noqa: E402
 
@@ -512,6 +513,13 @@ def run_update(arm: dict, own: OwnMemory, collector: CollectorTime) -> None:
     arm.setdefault("graphs_compiled", []).append(graphs_compiled() - graphs)
 
 
+def keep_full_rounds(arm: dict, rounds: int) -> None:
+    """Drop an arm's updates after the first `rounds` (a run stopped mid-round: the arms that stepped in the
+    unfinished round would otherwise have one row more than those that did not, and no ratio pairs them)."""
+    for key in ("rows", "gc_s", "graphs_compiled"):
+        del arm.setdefault(key, [])[rounds:]
+
+
 def summarize_arm(arm: dict) -> dict:
     rows = arm["rows"]
     out = {"arm": arm["name"], "overrides": arm["overrides"], "init_sha256": arm["init_sha256"],
@@ -609,12 +617,20 @@ def _with_refresh(r: dict) -> list[dict]:
     return r["rows"] if share is None else [row | {"seconds": row["seconds"] + share} for row in r["rows"]]
 
 
+def updates_said(meta: dict) -> str:
+    stopped = meta.get("stopped")
+    if stopped:
+        return (f"{stopped['full_rounds']} updates (stopped by {stopped['signal']} after {stopped['full_rounds']} of "
+                f"{meta['updates']} rounds)")
+    return f"{meta['updates']} updates"
+
+
 def markdown(results: list[dict], meta: dict) -> str:
     base = results[0]["median_last6_s"]
     paired = meta["schedule"] == "interleaved"
     lines = [f"GPU: {meta['env'].get('gpu')}, torch {meta['env']['torch']}, CUDA {meta['env']['cuda']}, "
              f"driver {meta['env'].get('driver')}; bf16 matmul rate measured in this run: "
-             f"{_tflops(meta['matmul_tflops'])}; {meta['updates']} updates per arm, last-six medians; "
+             f"{_tflops(meta['matmul_tflops'])}; {updates_said(meta)} per arm, last-six medians; "
              f"{SCHEDULES[meta['schedule']]}",
              "", "| arm | s/update | ratio vs " + results[0]["arm"] + " | tokens/s | MFU | peak alloc MiB | "
              "peak reserved MiB | first update s | last loss |" + (" paired ms vs " + results[0]["arm"] +
@@ -727,6 +743,7 @@ def main() -> int:
                  out / f"memory_{stem}.md" if name in traced else None)
 
     collector = CollectorTime()
+    stopped = False  # by a signal, the rounds every arm finished kept (interleaved schedule)
     if args.schedule == "sequential":
         for name in names:
             print(f"== arm {name}", flush=True)
@@ -772,26 +789,47 @@ def main() -> int:
                 return False  # retired; the other arms go on
 
         accounted = {"from_round": 3, "rounds": args.updates}
+        full_rounds = [0]
+        stopping: list[str] = []
 
         def after_round(r: int) -> None:
+            full_rounds[0] = r + 1
             if r == 1:  # the wall clock of the rounds the ratios are read on, against the updates' own times
                 accounted["start"] = time.perf_counter()
             print(f"round {r + 1}/{args.updates}: " + ", ".join(
                 f"{n} {arms[n]['rows'][-1].seconds:.4f}" for n in live if n not in results and arms[n]["rows"]),
                 flush=True)
 
-        run_rounds(live, args.updates, step, after_round=after_round)
-        if "start" in accounted and not results:  # every arm ran every round
+        def on_signal(signum, frame) -> None:
+            if stopping:  # the second: at once, nothing saved
+                raise KeyboardInterrupt
+            stopping.append(signal.Signals(signum).name)
+            print(f"\narms.py: {stopping[0]}: stopping after this update, keeping the rounds every arm finished "
+                  "(again to stop at once)", file=sys.stderr, flush=True)
+
+        with signals_handled(on_signal):
+            run_rounds(live, args.updates, step, after_round=after_round, stop=lambda: bool(stopping))
+        if stopping:
+            meta["stopped"] = {"signal": stopping[0], "full_rounds": full_rounds[0]}
+        elif "start" in accounted and not results:  # every arm ran every round
             accounted["wall_s"] = time.perf_counter() - accounted.pop("start")
             accounted["updates_s"] = sum(r.seconds for n in live for r in arms[n]["rows"][2:])
             meta["accounted"] = accounted
         for name in live:
             if name not in results:
-                results[name] = summarize_arm(arms[name])
-                diagnostics(arms[name])
+                keep_full_rounds(arms[name], full_rounds[0])
+                if arms[name]["rows"]:
+                    results[name] = summarize_arm(arms[name])
+                    if not stopping:
+                        diagnostics(arms[name])
             release(arms[name])
-            report(results[name])
+            if name in results:
+                report(results[name])
         save()
+        if stopping:
+            print(f"arms.py: stopped by {stopping[0]} after {full_rounds[0]} of {args.updates} rounds; "
+                  f"{out / 'arms.json'} keeps them", file=sys.stderr, flush=True)
+            stopped = True
     meta["reserved_peak_all_arms_mib"] = torch.cuda.max_memory_reserved() / 2**20
     save()
     results = [results[n] for n in names if n in results]
@@ -800,7 +838,7 @@ def main() -> int:
         table = markdown(ok, meta)
         (out / "arms.md").write_text(table)
         print(table)
-    return 0
+    return 130 if stopped else 0
 
 
 def resummarize(path: Path) -> int:

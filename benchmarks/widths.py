@@ -3,7 +3,8 @@ FLOP-proportional ideal, and the narrowest width where the seed's optimistic gat
 
     python3 benchmarks/widths.py run OUT [--updates 16] [--widths 512,1024]
                                           (any CUDA machine; one process per width, resumable: --widths splits
-                                           the run; each arm compiles for about 30 s before its updates)
+                                           the run; each arm compiles for about 30 s before its updates; Ctrl-C
+                                           keeps the rounds every arm of the width finished)
     python3 benchmarks/widths.py summarize OUT              (any machine: OUT/widths.md and OUT/widths.png)
     python3 benchmarks/widths.py project OUT --compare COMPARE.json --width W [--md FILE]
                                           (any machine: which arms of a comparison could pay at width W)
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -41,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from creditlab import config as config_mod  # noqa: E402
-from creditlab.experiments.arms_runner import steady_ratio  # noqa: E402
+from creditlab.experiments.arms_runner import signals_handled, steady_ratio  # noqa: E402
 from creditlab.experiments.verdict import by_seed, interval  # noqa: E402
 from creditlab.flops import flop_budget, sketch_cost  # noqa: E402
 
@@ -102,7 +104,11 @@ def run_logged(cmd: list[str], log: Path) -> int:
         header = "$ " + " ".join(cmd) + "\n"
         sys.stdout.write(header)
         kept.write(header)
-        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
+        # Ctrl-C reaches the child too (one process group): it keeps the rounds every arm finished and ends, and
+        # this process, Ctrl-C noted and nothing more (set once the child has started, which so keeps its own),
+        # shows and logs all it says until then.
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc, \
+                signals_handled(lambda signum, frame: None, (signal.SIGINT,)):
             for line in proc.stdout:
                 sys.stdout.write(line)
                 sys.stdout.flush()
@@ -215,6 +221,9 @@ def summarize(out: Path) -> int:
     lines += ["", "The cycle's bounds: its parts' intervals, both at their low ends and both at their high ends "
               "(one teacher and three synthetic updates); the gate holds where the upper bound is under it, misses "
               "where the lower bound is over it, and is at the gate where they straddle it."]
+    stopped = {w: d["meta"]["stopped"] for w, d in found.items() if d["meta"].get("stopped")}
+    lines += [f"Width {w:,} was stopped by {s['signal']} after {s['full_rounds']} of {found[w]['meta']['updates']} "
+              f"rounds: its ratios read those (remove its folder to measure it again)." for w, s in stopped.items()]
     uncounted = [w for w, d in found.items() if any("graphs_compiled" not in row for r in d["results"]
                                                     for row in r["rows"])]
     if uncounted:  # records made before compiled graphs were counted per update: no round could be left out

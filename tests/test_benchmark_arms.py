@@ -523,3 +523,39 @@ def test_each_timed_update_records_the_graphs_it_compiled():
     got["rows"][2]["graphs_compiled"] = 1  # the round read from the third on: round 3 compiled, rounds 4-6 did not
     ratio = arms.steady_ratio(got["rows"], base)
     assert ratio[0] == pytest.approx(0.9) and ratio[3] == 3
+
+
+def test_a_run_stopped_mid_round_keeps_the_rounds_every_arm_finished():
+    """A signal during round 3 of 5: the runner stops before the next update, and each arm keeps its first two
+    updates (rows, collector times and compile counts alike), so the arms' rounds still pair; the table says the
+    run was stopped and after how many rounds."""
+    import os
+    import signal
+
+    from creditlab.experiments.arms_runner import run_rounds, signals_handled
+    from creditlab.train import UpdateRow
+
+    arms = load("arms")
+    fleet = {name: {"name": name, "overrides": [], "init_sha256": "", "trainer": None, "rows": [], "gc_s": [],
+                    "graphs_compiled": [], "saved_by_forward_mib": 0.0, "wall_s": 0.0} for name in ("native", "zero")}
+    stopping, full = [], [0]
+
+    def step(at):
+        arm = fleet[at.arm]
+        if at.round == 2 and at.position == 0:
+            os.kill(os.getpid(), signal.SIGINT)  # handled: no KeyboardInterrupt, the update finishes
+        arm["rows"].append(UpdateRow(len(arm["rows"]), "native", 1.0, 1.0, 10, 10.0, 1.0, 100.0, None, None))
+        arm["gc_s"].append(0.0)
+        arm["graphs_compiled"].append(0)
+
+    with signals_handled(lambda signum, frame: stopping.append(signal.Signals(signum).name)):
+        taken = run_rounds(list(fleet), 5, step, stop=lambda: bool(stopping),
+                           after_round=lambda r: full.__setitem__(0, r + 1))
+    assert stopping == ["SIGINT"] and full == [2] and len(taken) == 5  # one arm stepped in the third round
+    assert sorted(len(a["rows"]) for a in fleet.values()) == [2, 3]
+    for arm in fleet.values():
+        arms.keep_full_rounds(arm, full[0])
+        assert len(arm["rows"]) == len(arm["gc_s"]) == len(arm["graphs_compiled"]) == 2
+    meta = {"updates": 5, "stopped": {"signal": "SIGINT", "full_rounds": 2}}
+    assert arms.updates_said(meta) == "2 updates (stopped by SIGINT after 2 of 5 rounds)"
+    assert arms.updates_said({"updates": 5}) == "5 updates"

@@ -135,6 +135,41 @@ def test_each_widths_process_output_is_kept_beside_its_record(tmp_path, capsys, 
     assert "w2048: arms.py exited 5" in capsys.readouterr().err
 
 
+def test_a_width_stopped_by_a_signal_is_said_to_read_only_its_full_rounds(tmp_path):
+    widths = load("widths")
+    data = _arms_json(0.3, 0.9, 0.95)
+    data["meta"] |= {"updates": 16, "stopped": {"signal": "SIGINT", "full_rounds": 9}}
+    for result in data["results"]:
+        result["rows"] = result["rows"][:9]
+    (tmp_path / "w512").mkdir()
+    (tmp_path / "w512" / "arms.json").write_text(json.dumps(data))
+    assert widths.summarize(tmp_path) == 0
+    text = (tmp_path / "widths.md").read_text()
+    assert "Width 512 was stopped by SIGINT after 9 of 16 rounds" in text
+    assert json.loads((tmp_path / "widths.json").read_text())["ratios"]["512"]["zero"]["rounds"] == 7
+
+
+def test_ctrl_c_while_a_width_runs_waits_for_what_its_process_keeps(tmp_path, monkeypatch):
+    """Ctrl-C reaches the width's process and this one alike: this one goes on reading until the process has
+    said what it kept and ended, and returns its exit code."""
+    import os
+    import signal
+    import sys
+    import threading
+
+    widths = load("widths")
+    child = [sys.executable, "-c", "import sys, time; print('round 1', flush=True); time.sleep(1.0); "
+             "print('kept 1 round', flush=True); sys.exit(130)"]
+    timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        code = widths.run_logged(child, tmp_path / "log.txt")
+    finally:
+        timer.cancel()
+    assert code == 130
+    assert (tmp_path / "log.txt").read_text().splitlines()[1:] == ["round 1", "kept 1 round"]
+
+
 def test_a_cycle_whose_bounds_straddle_the_gate_is_not_said_to_hold(tmp_path):
     """The cycle's bounds come from its parts' intervals: a point under the gate with an upper bound over it is at
     the gate, neither holding nor missing; the same point with tight parts holds."""

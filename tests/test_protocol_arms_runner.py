@@ -134,3 +134,18 @@ def test_an_update_that_meets_a_new_variant_counts_its_compiled_graph_and_leaves
                                                      (1.2, "teacher"), (0.9, "synthetic"))]
     assert runner.steady_rounds(plain, [{"seconds": 1.0}] * 5, where=lambda r: r["kind"] == "synthetic") == \
         ([0.9, 0.9], [1.0, 1.0])
+
+
+def test_signals_are_handled_inside_and_the_handlers_before_restored_after():
+    import os
+    import signal
+
+    from creditlab.experiments.arms_runner import signals_handled
+
+    seen = []
+    before = signal.getsignal(signal.SIGTERM)
+    with signals_handled(lambda signum, frame: seen.append(signum)):
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+    assert seen == [signal.SIGTERM, signal.SIGINT]
+    assert signal.getsignal(signal.SIGTERM) is before and signal.getsignal(signal.SIGINT) is signal.default_int_handler

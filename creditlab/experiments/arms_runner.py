@@ -8,10 +8,12 @@ their arms through `run_rounds`; `OwnMemory` keeps each arm's memory peak its ow
 
 from __future__ import annotations
 
+import contextlib
 import random
+import signal
 import statistics
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -63,6 +65,18 @@ def run_rounds(arms: Sequence[str], rounds: int, step: Callable[[Step], bool | N
         if len(retired) == len(arms):
             break
     return taken
+
+
+@contextlib.contextmanager
+def signals_handled(handler: Callable, signals=(signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
+    """`handler` for Ctrl-C and SIGTERM while inside, the handlers before restored after: a long run asked to stop
+    ends the update it is in and keeps what it measured (main thread only, as Python's signals are)."""
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, before in previous.items():
+            signal.signal(sig, before)
 
 
 def keep_compiled_side_by_side() -> None:

@@ -392,6 +392,7 @@ class CompareRun:
         from tqdm import tqdm
 
         from creditlab import runtime as rt
+        from creditlab.experiments.arms_runner import signals_handled
 
         self.check()
         runtime = rt.resolve(self.base.train)
@@ -406,13 +407,11 @@ class CompareRun:
                    disable=not show)
         say = bar.write if show else (lambda line: print(line, flush=True))
         start = time.time()
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            for key in self.keys():
-                self.run_group(key, runtime, peak, bar, say)
+            with signals_handled(self._on_signal):
+                for key in self.keys():
+                    self.run_group(key, runtime, peak, bar, say)
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
             bar.close()
         result = self.result(time.time() - start)
         write_once(self.out / "compare.json", result)
