@@ -24,7 +24,6 @@ import gc
 import hashlib
 import io
 import json
-import signal
 import statistics
 import sys
 import time
@@ -40,7 +39,7 @@ from creditlab.experiments.arms import parse_arm, parse_arms  # noqa: E402
 from creditlab import runtime as rt  # noqa: E402
 # rotation is re-exported: the order of a round is the runner's, one rule for the screen and this benchmark
 from creditlab.experiments.arms_runner import (OwnMemory, cuda_allocated, graphs_compiled, keep_compiled_side_by_side,  # noqa: E402,F401
-                                   rotation, run_rounds, signals_handled, steady_ratio, warm_variants)
+                                   rotation, run_rounds, StopRequest, steady_ratio, warm_variants)
 from creditlab.data import SyntheticLoader  # noqa: E402
 from creditlab.train import Trainer, build_model, row_dict  # noqa: E402
 
@@ -743,7 +742,7 @@ def main() -> int:
                  out / f"memory_{stem}.md" if name in traced else None)
 
     collector = CollectorTime()
-    stopped = False  # by a signal, the rounds every arm finished kept (interleaved schedule)
+    stopped = None  # the signal that stopped the run, the rounds every arm finished kept (interleaved schedule)
     if args.schedule == "sequential":
         for name in names:
             print(f"== arm {name}", flush=True)
@@ -790,7 +789,6 @@ def main() -> int:
 
         accounted = {"from_round": 3, "rounds": args.updates}
         full_rounds = [0]
-        stopping: list[str] = []
 
         def after_round(r: int) -> None:
             full_rounds[0] = r + 1
@@ -800,17 +798,13 @@ def main() -> int:
                 f"{n} {arms[n]['rows'][-1].seconds:.4f}" for n in live if n not in results and arms[n]["rows"]),
                 flush=True)
 
-        def on_signal(signum, frame) -> None:
-            if stopping:  # the second: at once, nothing saved
-                raise KeyboardInterrupt
-            stopping.append(signal.Signals(signum).name)
-            print(f"\narms.py: {stopping[0]}: stopping after this update, keeping the rounds every arm finished "
-                  "(again to stop at once)", file=sys.stderr, flush=True)
-
-        with signals_handled(on_signal):
-            run_rounds(live, args.updates, step, after_round=after_round, stop=lambda: bool(stopping))
-        if stopping:
-            meta["stopped"] = {"signal": stopping[0], "full_rounds": full_rounds[0]}
+        with StopRequest(lambda name: print(
+                f"\narms.py: {name}: stopping after this update, keeping the rounds every arm finished (again to "
+                "stop at once, nothing saved)", file=sys.stderr, flush=True)) as stop:
+            run_rounds(live, args.updates, step, after_round=after_round, stop=lambda: stop.signal is not None)
+        stopped = stop.signal
+        if stopped:
+            meta["stopped"] = {"signal": stopped, "full_rounds": full_rounds[0]}
         elif "start" in accounted and not results:  # every arm ran every round
             accounted["wall_s"] = time.perf_counter() - accounted.pop("start")
             accounted["updates_s"] = sum(r.seconds for n in live for r in arms[n]["rows"][2:])
@@ -820,16 +814,15 @@ def main() -> int:
                 keep_full_rounds(arms[name], full_rounds[0])
                 if arms[name]["rows"]:
                     results[name] = summarize_arm(arms[name])
-                    if not stopping:
+                    if not stopped:
                         diagnostics(arms[name])
             release(arms[name])
             if name in results:
                 report(results[name])
         save()
-        if stopping:
-            print(f"arms.py: stopped by {stopping[0]} after {full_rounds[0]} of {args.updates} rounds; "
+        if stopped:
+            print(f"arms.py: stopped by {stopped} after {full_rounds[0]} of {args.updates} rounds; "
                   f"{out / 'arms.json'} keeps them", file=sys.stderr, flush=True)
-            stopped = True
     meta["reserved_peak_all_arms_mib"] = torch.cuda.max_memory_reserved() / 2**20
     save()
     results = [results[n] for n in names if n in results]

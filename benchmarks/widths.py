@@ -43,6 +43,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from creditlab import config as config_mod  # noqa: E402
+from creditlab.credit.schedules import Fixed, parse as parse_schedule  # noqa: E402
+from creditlab.experiments.arms import parse_arm  # noqa: E402
 from creditlab.experiments.arms_runner import signals_handled, steady_ratio  # noqa: E402
 from creditlab.experiments.verdict import by_seed, interval  # noqa: E402
 from creditlab.flops import flop_budget, sketch_cost  # noqa: E402
@@ -243,15 +245,22 @@ def width_cost(arm: str, costs: dict[str, dict]) -> dict | None:
     """An arm of a comparison, its cost per update at a width: the measured ratio of its family (a floor with one
     exact update in n composed from zero's, its exact updates at native's cost); None for native and arms not
     measured."""
-    name, _, overrides = arm.partition("@")
-    if name == "zero" and "credit.schedule=" in overrides:  # a floor: one exact update in n
-        schedule = overrides.split("credit.schedule=")[1].split("@")[0]
-        zero, n = costs.get("zero"), schedule.removeprefix("fixed:")
-        if zero is None or not schedule.startswith("fixed:") or not n.isdigit() or int(n) < 1:
+    try:
+        spec = parse_arm(arm)
+    except config_mod.ConfigError:
+        return None
+    name, own = spec.arm.name, dict(item.split("=", 1) for item in spec.extra)
+    if name == "zero" and "credit.schedule" in own:  # a floor: one exact update in n
+        try:
+            schedule = parse_schedule(own["credit.schedule"], 0)
+        except ValueError:
             return None
-        return {end: ((int(n) - 1) * zero[end] + 1) / int(n) for end in ("ratio", "low", "high")}
+        zero, n = costs.get("zero"), getattr(schedule, "period", 0)
+        if zero is None or type(schedule) is not Fixed or n < 1:
+            return None
+        return {end: ((n - 1) * zero[end] + 1) / n for end in ("ratio", "low", "high")}
     label = {"zero": "zero", "learned": CYCLE, "sketch": "sketch16", "fp8": "fp8", "dropbp": "dropbp"}.get(name)
-    if name == "sketch" and not ("credit.sketch_rank=16" in overrides and "credit.sketch=subspace" in overrides):
+    if name == "sketch" and (own.get("credit.sketch_rank"), own.get("credit.sketch")) != ("16", "subspace"):
         label = None  # the width benchmark measured the rank-16 sketch with the subspace refresh only
     return costs.get(label) if label else None
 

@@ -532,13 +532,13 @@ def test_a_run_stopped_mid_round_keeps_the_rounds_every_arm_finished():
     import os
     import signal
 
-    from creditlab.experiments.arms_runner import run_rounds, signals_handled
+    from creditlab.experiments.arms_runner import StopRequest, run_rounds
     from creditlab.train import UpdateRow
 
     arms = load("arms")
     fleet = {name: {"name": name, "overrides": [], "init_sha256": "", "trainer": None, "rows": [], "gc_s": [],
                     "graphs_compiled": [], "saved_by_forward_mib": 0.0, "wall_s": 0.0} for name in ("native", "zero")}
-    stopping, full = [], [0]
+    said, full = [], [0]
 
     def step(at):
         arm = fleet[at.arm]
@@ -548,10 +548,11 @@ def test_a_run_stopped_mid_round_keeps_the_rounds_every_arm_finished():
         arm["gc_s"].append(0.0)
         arm["graphs_compiled"].append(0)
 
-    with signals_handled(lambda signum, frame: stopping.append(signal.Signals(signum).name)):
-        taken = run_rounds(list(fleet), 5, step, stop=lambda: bool(stopping),
+    with StopRequest(said.append) as stop:
+        taken = run_rounds(list(fleet), 5, step, stop=lambda: stop.signal is not None,
                            after_round=lambda r: full.__setitem__(0, r + 1))
-    assert stopping == ["SIGINT"] and full == [2] and len(taken) == 5  # one arm stepped in the third round
+    assert stop.signal == "SIGINT" and said == ["SIGINT"]
+    assert full == [2] and len(taken) == 5  # one arm stepped in the third round
     assert sorted(len(a["rows"]) for a in fleet.values()) == [2, 3]
     for arm in fleet.values():
         arms.keep_full_rounds(arm, full[0])

@@ -149,3 +149,21 @@ def test_signals_are_handled_inside_and_the_handlers_before_restored_after():
         os.kill(os.getpid(), signal.SIGINT)
     assert seen == [signal.SIGTERM, signal.SIGINT]
     assert signal.getsignal(signal.SIGTERM) is before and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_second_signal_stops_at_once_and_the_first_only_asks():
+    import os
+    import signal
+
+    import pytest
+
+    from creditlab.experiments.arms_runner import StopRequest
+
+    said = []
+    with pytest.raises(KeyboardInterrupt):
+        with StopRequest(said.append) as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stop.signal == "SIGTERM" and said == ["SIGTERM"]
+            os.kill(os.getpid(), signal.SIGINT)
+            raise AssertionError("the second signal did not stop the run")  # pragma: no cover
+    assert said == ["SIGTERM"] and signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -79,6 +79,29 @@ def signals_handled(handler: Callable, signals=(signal.SIGINT, signal.SIGTERM)) 
             signal.signal(sig, before)
 
 
+class StopRequest:
+    """Ctrl-C or SIGTERM while inside asks a long run to stop where it keeps what it has: the first is noted
+    (`signal` names it) and `announce(name)` says what happens next; the second stops at once (KeyboardInterrupt)."""
+
+    def __init__(self, announce: Callable[[str], None]):
+        self.signal: str | None = None
+        self._announce = announce
+        self._handled = signals_handled(self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
+        self._announce(self.signal)
+
+    def __enter__(self) -> "StopRequest":
+        self._handled.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._handled.__exit__(*exc)
+
+
 def keep_compiled_side_by_side() -> None:
     """Every resident arm keeps its compiled graphs; without a higher per-function limit the compiler stops
     recompiling after a few arms and the later arms silently run eagerly."""

@@ -36,7 +36,6 @@ from __future__ import annotations
 import copy
 import gc
 import math
-import signal
 import statistics
 import sys
 import time
@@ -299,7 +298,7 @@ class CompareRun:
     roles: dict[str, Role] = field(default_factory=dict)
     runs: dict = field(default_factory=dict)  # label -> {run key: summary}
     intermittent: dict = field(default_factory=dict)  # run key -> derivation
-    stopping: str | None = None  # the signal that asked the comparison to stop
+    stop: object = None  # the StopRequest of a running comparison: its signal asks it to stop after a round
 
     def __post_init__(self):
         exp = self.experiment
@@ -392,7 +391,7 @@ class CompareRun:
         from tqdm import tqdm
 
         from creditlab import runtime as rt
-        from creditlab.experiments.arms_runner import signals_handled
+        from creditlab.experiments.arms_runner import StopRequest
 
         self.check()
         runtime = rt.resolve(self.base.train)
@@ -408,7 +407,7 @@ class CompareRun:
         say = bar.write if show else (lambda line: print(line, flush=True))
         start = time.time()
         try:
-            with signals_handled(self._on_signal):
+            with StopRequest(self._announce_stop) as self.stop:
                 for key in self.keys():
                     self.run_group(key, runtime, peak, bar, say)
         finally:
@@ -417,11 +416,9 @@ class CompareRun:
         write_once(self.out / "compare.json", result)
         return result
 
-    def _on_signal(self, signum, frame) -> None:
-        if self.stopping is not None:  # the second: at once (the last saved states are kept)
-            raise KeyboardInterrupt
-        self.stopping = signal.Signals(signum).name
-        print(f"\ncompare: {self.stopping}: stopping after this round, every arm saved where it stands "
+    @staticmethod
+    def _announce_stop(name: str) -> None:  # a second signal stops at once (the last saved states are kept)
+        print(f"\ncompare: {name}: stopping after this round, every arm saved where it stands "
               f"(again to stop at once)", file=sys.stderr, flush=True)
 
     def planned_updates(self) -> int:
@@ -504,10 +501,10 @@ class CompareRun:
                 for arm in active.values():
                     if arm.trainer.update_index == r + 1:
                         arm.checkpoint()
-            if self.stopping is not None:
+            if self.stop is not None and self.stop.signal is not None:
                 for arm in active.values():
                     arm.checkpoint()
-                raise Interrupted(self.stopping)
+                raise Interrupted(self.stop.signal)
         if pending:
             raise RuntimeError(f"native budgets never forked: {', '.join(pending)}")
 
