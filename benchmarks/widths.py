@@ -179,7 +179,9 @@ def summarize(out: Path) -> int:
         return 2
     table = {w: ratios(d) for w, d in found.items()}
     ideal = {w: ideals(w) for w in found}
-    devices = sorted({d["meta"]["env"].get("gpu") or "?" for d in found.values()})
+    device = {w: d["meta"]["env"].get("gpu") or "?" for w, d in found.items()}
+    devices = sorted(set(device.values()))
+    mixed = len(devices) > 1
     gate = {w: gate_status(table[w][CYCLE]) for w in found if CYCLE in table[w]}
     passing = [w for w in gate if gate[w] == "holds"]
     # the narrowest passing width is known only where every narrower width was measured too
@@ -187,7 +189,8 @@ def summarize(out: Path) -> int:
     first = min(passing) if passing and not unmeasured else None
 
     def at(status: str, skip=()) -> str:
-        return " and ".join(f"{w:,} ({_cell(table[w][CYCLE])})" for w in gate if gate[w] == status and w not in skip)
+        return " and ".join(f"{w:,} ({_cell(table[w][CYCLE])}{', ' + device[w] if mixed else ''})"
+                            for w in gate if gate[w] == status and w not in skip)
 
     if first:
         holds = f"holds first at width {first:,} ({_cell(table[first][CYCLE])})" + (
@@ -200,12 +203,13 @@ def summarize(out: Path) -> int:
                + (f" (not yet measured: width {', '.join(f'{w:,}' for w in unmeasured)})" if unmeasured else "")
                + ".")
     lines = [f"# Cost against width ({', '.join(devices)})", "", f"**{verdict}**", ""]
-    if len(devices) > 1:  # a ratio is compared across widths only where one kind of card measured them all
-        by = ", ".join(f"width {w:,}: {d['meta']['env'].get('gpu') or '?'}" for w, d in found.items())
+    if mixed:  # a ratio is compared across widths only where one kind of card measured them all
+        by = ", ".join(f"width {w:,}: {device[w]}" for w in found)
         lines += [f"**The widths were measured on different devices ({by}): compare a ratio across widths only "
                   "among those of one device.**", ""]
     lines += ["Each cell: the arm's ratio to native per round (95% interval), then its FLOP-proportional ideal.", "",
-             "| arm | " + " | ".join(f"width {w:,}" for w in found) + " |", "|---" * (len(found) + 1) + "|"]
+             "| arm | " + " | ".join(f"width {w:,}" + (f" ({device[w]})" if mixed else "") for w in found) + " |",
+             "|---" * (len(found) + 1) + "|"]
     shape = {w: config_mod.load(preset(w)).train for w in found}
     lines.append("| micro-batch x accumulation (windows of 2,048) | "
                  + " | ".join(f"{shape[w].micro_batch} x {shape[w].grad_accum}" for w in found) + " |")
@@ -236,7 +240,7 @@ def summarize(out: Path) -> int:
     (out / "widths.json").write_text(json.dumps({"ratios": table, "ideals": ideal, "devices": devices,
                                                  "gate": gate, "gate_first_width": first,
                                                  "unmeasured": unmeasured}, indent=2))
-    figure(out / "widths.png", table, ideal, tuple(uncounted))
+    figure(out / "widths.png", table, ideal, tuple(uncounted), device)
     print("\n".join(lines))
     return 0
 
@@ -308,15 +312,22 @@ def projection_md(rows: list[dict], width: int, source: str, devices: list[str])
     return "\n".join(lines) + "\n"
 
 
-def figure(path: Path, table: dict, ideal: dict, uncounted: tuple[int, ...] = (), top: float = 1.12) -> None:
+MARKERS = "os^D"  # one a device
+
+
+def figure(path: Path, table: dict, ideal: dict, uncounted: tuple[int, ...] = (), device: dict | None = None,
+           top: float = 1.12) -> None:
     """Each arm's ratio against width (error bars: its interval), dashed its ideal; a point from a record without
-    compile counts hollow, one above `top` drawn at the edge with its value written beside it."""
+    compile counts hollow, one above `top` drawn at the edge with its value written beside it. Widths measured on
+    different devices get a marker each, and a line joins only the widths of one device."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     widths = list(table)
+    device = device or {w: "" for w in widths}
+    marker = {d: MARKERS[k % len(MARKERS)] for k, d in enumerate(dict.fromkeys(device[w] for w in widths))}
     fig, ax = plt.subplots(figsize=(10, 5))
     for i, label in enumerate(LABELS):
         xs = [w for w in widths if label in table[w]]
@@ -325,13 +336,16 @@ def figure(path: Path, table: dict, ideal: dict, uncounted: tuple[int, ...] = ()
         color = f"C{i}"
         cells = [table[w][label] for w in xs]
         ys = [min(c["ratio"], top) for c in cells]
-        ax.plot(xs, ys, "-", color=color, label=label)
+        for k, card in enumerate(marker):  # one line a device: a ratio is not read across devices
+            on = [(w, y) for w, y in zip(xs, ys) if device[w] == card]
+            if on:
+                ax.plot(*zip(*on), "-", color=color, label=None if k else label)
         for w, c, y in zip(xs, cells, ys):
             if c.get("low") is not None and c["ratio"] <= top:
                 # the cycle's point (its mean time) can sit just outside its parts' bounds: no negative bar
                 spread = [[max(0.0, y - c["low"])], [max(0.0, min(c["high"], top) - y)]]
                 ax.errorbar(w, y, yerr=spread, color=color, capsize=3)
-            ax.plot(w, y, "o", color=color, mfc="white" if w in uncounted else color)
+            ax.plot(w, y, marker[device[w]], color=color, mfc="white" if w in uncounted else color)
             if c["ratio"] > top:
                 ax.annotate(f"{c['ratio']:.2f} (off scale)", (w, y), textcoords="offset points", xytext=(-8, -12),
                             ha="right", fontsize=7, color=color)
@@ -339,6 +353,9 @@ def figure(path: Path, table: dict, ideal: dict, uncounted: tuple[int, ...] = ()
     ax.axhline(CYCLE_GATE, color="k", lw=0.8, ls=":", label=f"gate for the cycle ({CYCLE_GATE})")
     if uncounted:
         ax.plot([], [], "o", color="gray", mfc="white", label="hollow: compiling rounds not recorded")
+    if len(marker) > 1:
+        for card, m in marker.items():
+            ax.plot([], [], m, color="gray", label=card)
     ax.set_ylim(top=top + 0.01)
     ax.set_xlabel("width (depth 8, heads = width / 128)")
     ax.set_ylabel("time per update / native's (dashed: FLOP-proportional)")

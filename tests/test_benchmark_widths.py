@@ -99,6 +99,32 @@ def test_widths_measured_on_different_devices_are_flagged(tmp_path):
     assert widths.summarize(tmp_path) == 0
     text = (tmp_path / "widths.md").read_text()
     assert "different devices (width 512: GPU A, width 1,024: GPU B)" in text
+    assert "| arm | width 512 (GPU A) | width 1,024 (GPU B) |" in text  # each column names its card
+    assert "misses at 512 (0.950 [0.950, 0.950], GPU A) and 1,024 (0.950 [0.950, 0.950], GPU B)" in text
+
+
+def test_the_figure_joins_only_widths_of_one_device(tmp_path, monkeypatch):
+    """A line between widths measured on different cards would read a ratio across devices: each device gets its
+    own line and marker."""
+    import matplotlib.axes
+
+    widths = load("widths")
+    for width, gpu in ((512, "GPU A"), (1024, "GPU A"), (1536, "GPU B"), (2048, "GPU B")):
+        (tmp_path / f"w{width}").mkdir()
+        (tmp_path / f"w{width}" / "arms.json").write_text(json.dumps(_arms_json(0.3, 0.9, 0.95, gpu)))
+    lines = []
+    real = matplotlib.axes.Axes.plot
+
+    def spy(self, *args, **kwargs):
+        got = real(self, *args, **kwargs)
+        lines.extend((list(line.get_xdata()), line.get_linestyle(), line.get_marker()) for line in got)
+        return got
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", spy)
+    assert widths.summarize(tmp_path) == 0
+    solid = [xs for xs, style, _ in lines if style == "-" and len(xs) > 1]
+    assert solid and all(set(xs) in ({512, 1024}, {1536, 2048}) for xs in solid)
+    assert {m for xs, _, m in lines if xs in ([1536], [2048])} >= {"s"}  # GPU B's points: its own marker
 
 
 def test_a_summary_of_nothing_says_what_to_run(tmp_path, capsys):
