@@ -1,7 +1,7 @@
 """Cost against width: the arms benchmark at the seed model's widths, each arm's ratio to native beside its
 FLOP-proportional ideal, and the narrowest width where the seed's optimistic gate holds.
 
-    python3 benchmarks/widths.py run OUT [--updates 16] [--widths 512,1024]
+    python3 benchmarks/widths.py run OUT [--updates 16] [--widths 512,1024] [--arms zero,learned]
                                           (any CUDA machine; one process per width, resumable: --widths splits
                                            the run; each arm compiles for about 30 s before its updates; Ctrl-C
                                            keeps the rounds every arm of the width finished)
@@ -57,6 +57,8 @@ ARMS = {  # label: arm spec of benchmarks/arms.py
     "fp8": "fp8",
     "dropbp": "dropbp",
 }
+NAMES = {"zero": "zero", "learned": "cycle (one teacher in four)", "sketch16": "sketch16", "fp8": "fp8",
+         "dropbp": "dropbp"}  # `run --arms` names: the labels, the cycle by its arm
 # Read from the cycle's own rounds, by the kind of update each ran (against native's update of the same round):
 # one arm compiled and resident where three would be. At width 2,048 an arm's parameters, gradients and optimizer
 # state come to about 8 GiB (529M parameters; an estimate, not measured), so eight arms side by side and a
@@ -82,13 +84,13 @@ def ideals(width: int) -> dict[str, float]:
             "dropbp": 1 - f}
 
 
-def run(out: Path, updates: int, widths: tuple[int, ...] = WIDTHS) -> int:
+def run(out: Path, updates: int, widths: tuple[int, ...] = WIDTHS, labels: tuple[str, ...] = tuple(ARMS)) -> int:
     for width in widths:
         folder = out / f"w{width}"
         if (folder / "arms.json").exists():
             print(f"w{width}: done already", flush=True)
             continue
-        arms = ",".join(["native", *ARMS.values()])
+        arms = ",".join(["native", *(ARMS[label] for label in labels)])
         cmd = [sys.executable, str(Path(__file__).with_name("arms.py")), "--out", str(folder), "--preset",
                preset(width), "--updates", str(updates), "--arms", arms]
         code = run_logged(cmd, folder / "log.txt")
@@ -230,6 +232,10 @@ def summarize(out: Path) -> int:
     stopped = {w: d["meta"]["stopped"] for w, d in found.items() if d["meta"].get("stopped")}
     lines += [f"Width {w:,} was stopped by {s['signal']} after {s['full_rounds']} of {found[w]['meta']['updates']} "
               f"rounds: its ratios read those (remove its folder to measure it again)." for w, s in stopped.items()]
+    left_out = {w: [label for label, spec in ARMS.items() if spec not in {r["arm"] for r in d["results"]}]
+                for w, d in found.items()}
+    lines += [f"Width {w:,} ran without {', '.join(labels)} (`run --arms`): those cells are empty."
+              for w, labels in left_out.items() if labels]
     uncounted = [w for w, d in found.items() if any("graphs_compiled" not in row for r in d["results"]
                                                     for row in r["rows"])]
     if uncounted:  # records made before compiled graphs were counted per update: no round could be left out
@@ -396,6 +402,9 @@ def main() -> int:
     r.add_argument("--updates", type=int, default=16)
     r.add_argument("--widths", default=",".join(map(str, WIDTHS)),
                    help=f"comma-separated widths among {', '.join(map(str, WIDTHS))} (default all)")
+    r.add_argument("--arms", default=",".join(NAMES), help="comma-separated arms beside native among "
+                   f"{', '.join(NAMES)} (default all; fewer where device time is short: the summary says which "
+                   "a width left out)")
     s = sub.add_parser("summarize", help="the table and figure of what ran")
     s.add_argument("out", type=Path)
     p = sub.add_parser("project", help="which arms of a comparison could pay at a measured width")
@@ -416,7 +425,12 @@ def main() -> int:
         print(f"widths.py: --widths {args.widths!r}: give widths among {','.join(map(str, WIDTHS))}, "
               "e.g. --widths 512,1024", file=sys.stderr)
         return 2
-    return run(args.out, args.updates, widths)
+    names = tuple(a for a in args.arms.split(",") if a)
+    if not names or set(names) - set(NAMES):
+        print(f"widths.py: --arms {args.arms!r}: give arms among {','.join(NAMES)}, e.g. --arms zero,learned",
+              file=sys.stderr)
+        return 2
+    return run(args.out, args.updates, widths, tuple(NAMES[name] for name in names))
 
 
 if __name__ == "__main__":

@@ -161,6 +161,25 @@ def test_each_widths_process_output_is_kept_beside_its_record(tmp_path, capsys, 
     assert "w2048: arms.py exited 5" in capsys.readouterr().err
 
 
+def test_a_width_run_with_fewer_arms_runs_those_and_says_which_it_left_out(tmp_path, capsys, monkeypatch):
+    widths = load("widths")
+    seen = []
+    monkeypatch.setattr(widths, "run_logged", lambda cmd, path: seen.append(cmd) or 1)
+    monkeypatch.setattr("sys.argv", ["widths.py", "run", str(tmp_path), "--widths", "2048", "--arms", "learned,fp8"])
+    assert widths.main() == 1
+    assert seen[0][seen[0].index("--arms") + 1] == "native,learned,fp8"
+    monkeypatch.setattr("sys.argv", ["widths.py", "run", str(tmp_path), "--arms", "learned,cycle"])
+    assert widths.main() == 2 and "--arms zero,learned" in capsys.readouterr().err and len(seen) == 1
+    data = _arms_json(0.3, 0.9, 0.95)
+    data["results"] = [r for r in data["results"] if r["arm"] in ("native", "learned")]
+    (tmp_path / "w512").mkdir()
+    (tmp_path / "w512" / "arms.json").write_text(json.dumps(data))
+    assert widths.summarize(tmp_path) == 0
+    text = (tmp_path / "widths.md").read_text()
+    assert "Width 512 ran without zero, sketch16, fp8, dropbp (`run --arms`)" in text
+    assert "| zero | - |" in text
+
+
 def test_a_width_stopped_by_a_signal_is_said_to_read_only_its_full_rounds(tmp_path):
     widths = load("widths")
     data = _arms_json(0.3, 0.9, 0.95)
