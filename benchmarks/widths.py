@@ -57,8 +57,8 @@ ARMS = {  # label: arm spec of benchmarks/arms.py
     "fp8": "fp8",
     "dropbp": "dropbp",
 }
-NAMES = {"zero": "zero", "learned": "cycle (one teacher in four)", "sketch16": "sketch16", "fp8": "fp8",
-         "dropbp": "dropbp"}  # `run --arms` names: the labels, the cycle by its arm
+NAMES = {("learned" if spec == "learned" else label): label for label, spec in ARMS.items()}  # `run --arms`: the
+# labels, the cycle by its arm
 # Read from the cycle's own rounds, by the kind of update each ran (against native's update of the same round):
 # one arm compiled and resident where three would be. At width 2,048 an arm's parameters, gradients and optimizer
 # state come to about 8 GiB (529M parameters; an estimate, not measured), so eight arms side by side and a
@@ -342,10 +342,12 @@ def figure(path: Path, table: dict, ideal: dict, uncounted: tuple[int, ...] = ()
         color = f"C{i}"
         cells = [table[w][label] for w in xs]
         ys = [min(c["ratio"], top) for c in cells]
-        for k, card in enumerate(marker):  # one line a device: a ratio is not read across devices
+        named = False  # the arm's first line carries its label, whichever device drew it
+        for card in marker:  # one line a device: a ratio is not read across devices
             on = [(w, y) for w, y in zip(xs, ys) if device[w] == card]
             if on:
-                ax.plot(*zip(*on), "-", color=color, label=None if k else label)
+                ax.plot(*zip(*on), "-", color=color, label=None if named else label)
+                named = True
         for w, c, y in zip(xs, cells, ys):
             if c.get("low") is not None and c["ratio"] <= top:
                 # the cycle's point (its mean time) can sit just outside its parts' bounds: no negative bar

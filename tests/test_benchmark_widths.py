@@ -127,6 +127,24 @@ def test_the_figure_joins_only_widths_of_one_device(tmp_path, monkeypatch):
     assert {m for xs, _, m in lines if xs in ([1536], [2048])} >= {"s"}  # GPU B's points: its own marker
 
 
+def test_an_arm_measured_only_on_the_second_device_keeps_its_legend_entry(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    widths = load("widths")
+    for width, gpu in ((512, "GPU A"), (1024, "GPU B")):
+        data = _arms_json(0.3, 0.9, 0.95, gpu)
+        if gpu == "GPU A":  # the sketch ran at width 1,024 only
+            data["results"] = [r for r in data["results"] if not r["arm"].startswith("sketch")]
+        (tmp_path / f"w{width}").mkdir()
+        (tmp_path / f"w{width}" / "arms.json").write_text(json.dumps(data))
+    labels = []
+    real = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda self, *a, **kw: labels.append(kw.get("label"))
+                        or real(self, *a, **kw))
+    assert widths.summarize(tmp_path) == 0
+    assert "sketch16" in labels and "zero" in labels
+
+
 def test_a_summary_of_nothing_says_what_to_run(tmp_path, capsys):
     assert load("widths").summarize(tmp_path) == 2
     assert "benchmarks/widths.py run" in capsys.readouterr().err
