@@ -62,7 +62,7 @@ NAMES = {("learned" if spec == "learned" else label): label for label, spec in A
 # Read from the cycle's own rounds, by the kind of update each ran (against native's update of the same round):
 # one arm compiled and resident where three would be. At width 2,048 an arm's parameters, gradients and optimizer
 # state come to about 8 GiB (529M parameters; an estimate, not measured), so eight arms side by side and a
-# micro-batch's activations would be near or over an 80 GB card; six leave room.
+# micro-batch's activations would be near or over an 80 GB card; six fit on one (peaks in widths/w2048/arms.md).
 KINDS = {"learned (synthetic)": "synthetic", "teacher": "teacher"}
 LABELS = ("zero", *KINDS, *(label for label in ARMS if label != "zero"))  # the table's rows, in order
 CYCLE_GATE = 0.93
